@@ -1,0 +1,66 @@
+// The built-in rules and named optimizers, by name, with their arguments and defaults.
+// Named optimizers follow torch's argument names and defaults so that PyTorch users recognise them.
+//
+//   rule / optimizer        arguments (defaults)
+//   scale_by_adam           b1=0.9 b2=0.999 eps=1e-8 amsgrad=false   (betas=(b1, b2) also accepted)
+//   add_decayed_weights     weight_decay=0
+//   scale_by_learning_rate  lr=1e-3                  (multiplies the update by -lr)
+//   scale                   factor (required)
+//   trace                   momentum=0.9 dampening=0 nesterov=false
+//   scale_by_lion           b1=0.9 b2=0.99
+//   scale_by_rms            alpha=0.99 eps=1e-8 centered=false
+//   scale_by_adagrad        eps=1e-10 initial_accumulator_value=0 lr_decay=0
+//   clip_by_global_norm     max_norm=1.0
+//   unscale_by_grad_scale   (none)                   (divides by the grad_scale global; skips on found_inf)
+//   skip_if_nonfinite       (none)                   (skips the whole step if any update is inf/NaN)
+//   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
+//   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
+//   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
+//   lion     lr=1e-4 betas=(0.9,0.99) weight_decay=0
+//   rmsprop  lr=1e-2 alpha=0.99 eps=1e-8 weight_decay=0 momentum=0 centered=false maximize=false
+//   adagrad  lr=1e-2 lr_decay=0 weight_decay=0 initial_accumulator_value=0 eps=1e-10 maximize=false
+#pragma once
+#include <initializer_list>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "optfuse/rule.h"
+
+namespace optfuse {
+
+// An argument value: a number, a boolean or a pair of numbers (betas).
+struct ArgValue {
+  enum class Kind { Number, Bool, Pair } kind = Kind::Number;
+  double number = 0;
+  bool boolean = false;
+  std::vector<double> pair;
+  ArgValue() = default;
+  ArgValue(double v) : kind(Kind::Number), number(v) {}            // NOLINT: implicit on purpose
+  ArgValue(int v) : kind(Kind::Number), number(v) {}               // NOLINT
+  ArgValue(bool v) : kind(Kind::Bool), boolean(v) {}               // NOLINT
+  ArgValue(std::initializer_list<double> v) : kind(Kind::Pair), pair(v) {}  // NOLINT
+  explicit ArgValue(std::vector<double> v) : kind(Kind::Pair), pair(std::move(v)) {}
+};
+using Args = std::map<std::string, ArgValue>;
+
+// Builds a built-in rule or named optimizer as a chain. Throws optfuse::Error for an unknown name
+// or argument (with the closest known one), a value of the wrong kind, or an invalid value.
+Chain make_builtin(const std::string& name, const Args& args = {});
+// Positional arguments in the order make_builtin takes them (spec text allows them).
+std::vector<std::string> builtin_parameter_names(const std::string& name);
+std::vector<std::string> builtin_names();
+
+// Parses SPEC text ("chain(clip_by_global_norm(1.0), adamw(lr=1e-3))") into a chain. Errors give
+// the position in the text.
+Chain parse_chain(const std::string& spec);
+
+inline Chain sgd(const Args& a = {}) { return make_builtin("sgd", a); }
+inline Chain adam(const Args& a = {}) { return make_builtin("adam", a); }
+inline Chain adamw(const Args& a = {}) { return make_builtin("adamw", a); }
+inline Chain lion(const Args& a = {}) { return make_builtin("lion", a); }
+inline Chain rmsprop(const Args& a = {}) { return make_builtin("rmsprop", a); }
+inline Chain adagrad(const Args& a = {}) { return make_builtin("adagrad", a); }
+inline Chain clip_by_global_norm(double max_norm) { return make_builtin("clip_by_global_norm", {{"max_norm", max_norm}}); }
+
+}  // namespace optfuse

@@ -1,0 +1,151 @@
+// The rule IR: one node type, hash-consed into a Graph, and an Expr handle with math operators so
+// that rules read as math.
+//
+// Every node has a *kind of value*:
+//   element  - one value per tensor element (depends on Param, Grad or State); float32 math
+//   uniform  - one value per parameter group for the whole step (hyperparameters, step, globals,
+//              reduction results and anything computed from them only); float64 math, rounded to
+//              float32 where it meets element values (as torch rounds a Python scalar)
+// Semantics of each op (x, y, z are the inputs in order; `a` is the node's `value`, `i` its `index`):
+//   Const      a
+//   Param      the parameter element before this step
+//   Grad       the gradient element
+//   State      state slot i before this step
+//   Hyper      hyperparameter slot i of the element's parameter group
+//   Step       the step number being taken in the element's group: 1 on the first step
+//   Global     global scalar i, set by the caller per step (grad_scale, found_inf)
+//   Neg -x   Abs |x|   Sign: -1, 0 or 1 (NaN stays NaN)   Sqrt   Rsqrt 1/sqrt(x)   Exp   Log (natural)
+//   Not: 1 if x == 0 else 0        IsFinite: 1 if x is neither inf nor NaN else 0
+//   Add Sub Mul Div: IEEE arithmetic in the node's precision (no contraction into fma)
+//   Pow x^y (std::pow)   Min Max: NaN if either input is NaN (torch.minimum/maximum)
+//   Lt Le Gt Ge Eq Ne: 1 or 0        And Or: logical on (x != 0), result 1 or 0
+//   Select: y if x != 0 else z
+//   Lerp: x + z*(y - x) computed as torch.lerp does: |z| < 0.5 ? x + z*(y-x) : y - (y-x)*(1-z)
+//   Fma: x*y + z with one rounding
+//   RoundBF16 / RoundF16: x rounded to bfloat16 / float16 precision (to mimic low-precision storage)
+//   SumSquares: sum over every element of every tensor in the step of x*x (float64 accumulation,
+//               fixed order: deterministic). Scope: global. Input element, result uniform.
+//   AnyNonFinite: 1 if any element of x over all tensors is inf or NaN, else 0. Scope: global.
+// A reduction's result is only known after a full pass over memory: a phase boundary (plan.h).
+#pragma once
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace optfuse {
+
+enum class Op : uint8_t {
+  Const, Param, Grad, State, Hyper, Step, Global,
+  Neg, Abs, Sign, Sqrt, Rsqrt, Exp, Log, Not, IsFinite, RoundBF16, RoundF16,
+  Add, Sub, Mul, Div, Pow, Min, Max, Lt, Le, Gt, Ge, Eq, Ne, And, Or,
+  Select, Lerp, Fma,
+  SumSquares, AnyNonFinite,
+};
+
+const char* op_name(Op op);
+int op_arity(Op op);
+bool op_is_leaf(Op op);
+bool op_is_reduction(Op op);
+bool op_is_commutative(Op op);
+
+using NodeId = int32_t;
+constexpr NodeId kNoNode = -1;
+
+struct Node {
+  Op op = Op::Const;
+  std::array<NodeId, 3> in{kNoNode, kNoNode, kNoNode};
+  double value = 0;     // Const
+  int32_t index = -1;   // State, Hyper, Global slot
+  bool operator==(const Node& o) const;
+};
+
+struct NodeHash {
+  size_t operator()(const Node& n) const;
+};
+
+// Append-only, hash-consed: adding a node equal to an existing one returns the existing id, so
+// common subexpressions are shared as the graph is built. Inputs always precede their users, so
+// ids are a topological order.
+class Graph {
+ public:
+  NodeId add(const Node& n);
+  const Node& node(NodeId id) const { return nodes_.at(static_cast<size_t>(id)); }
+  size_t size() const { return nodes_.size(); }
+  const std::vector<Node>& nodes() const { return nodes_; }
+
+ private:
+  std::vector<Node> nodes_;
+  std::unordered_map<Node, NodeId, NodeHash> index_;
+};
+
+// A handle to a node of a graph, with operators, so rules are written as math.
+struct Expr {
+  Graph* graph = nullptr;
+  NodeId id = kNoNode;
+  bool valid() const { return graph != nullptr && id != kNoNode; }
+};
+
+Expr constant(Graph& g, double v);
+Expr make(Op op, Expr x);
+Expr make(Op op, Expr x, Expr y);
+Expr make(Op op, Expr x, Expr y, Expr z);
+
+Expr operator+(Expr a, Expr b);
+Expr operator-(Expr a, Expr b);
+Expr operator*(Expr a, Expr b);
+Expr operator/(Expr a, Expr b);
+Expr operator-(Expr a);
+Expr operator+(Expr a, double b);
+Expr operator+(double a, Expr b);
+Expr operator-(Expr a, double b);
+Expr operator-(double a, Expr b);
+Expr operator*(Expr a, double b);
+Expr operator*(double a, Expr b);
+Expr operator/(Expr a, double b);
+Expr operator/(double a, Expr b);
+Expr operator<(Expr a, Expr b);
+Expr operator<=(Expr a, Expr b);
+Expr operator>(Expr a, Expr b);
+Expr operator>=(Expr a, Expr b);
+Expr operator==(Expr a, Expr b);
+Expr operator!=(Expr a, Expr b);
+Expr operator==(Expr a, double b);
+Expr operator!=(Expr a, double b);
+Expr operator<(Expr a, double b);
+Expr operator>(Expr a, double b);
+Expr operator&&(Expr a, Expr b);
+Expr operator||(Expr a, Expr b);
+Expr operator!(Expr a);
+
+Expr abs(Expr x);
+Expr sign(Expr x);
+Expr sqrt(Expr x);
+Expr rsqrt(Expr x);
+Expr exp(Expr x);
+Expr log(Expr x);
+Expr pow(Expr x, Expr y);
+Expr pow(Expr x, double y);
+Expr pow(double x, Expr y);
+Expr min(Expr x, Expr y);
+Expr min(Expr x, double y);
+Expr max(Expr x, Expr y);
+Expr max(Expr x, double y);
+Expr select(Expr cond, Expr if_true, Expr if_false);
+Expr lerp(Expr start, Expr end, Expr weight);
+Expr fma(Expr x, Expr y, Expr z);
+Expr is_finite(Expr x);
+Expr round_to_bf16(Expr x);
+Expr round_to_f16(Expr x);
+Expr global_sum_of_squares(Expr x);
+Expr any_nonfinite(Expr x);
+
+// Evaluates one non-leaf, non-reduction op on already-evaluated inputs, in precision T (double for
+// uniform values and the reference evaluator, float for element values). The single definition of
+// op semantics that the interpreter uses; generated code mirrors it in each dialect's prelude.
+template <class T>
+T apply_op(Op op, T x, T y, T z);
+
+}  // namespace optfuse

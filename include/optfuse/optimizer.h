@@ -1,0 +1,98 @@
+// The run-time API: an Optimizer owns a plan, its scalars (hyperparameters per group, step counts)
+// and a backend executor, and steps a set of tensors whose memory the caller owns.
+//
+//   optfuse::Optimizer opt(optfuse::adamw({{"lr", 1e-3}}), optfuse::Backend::cpu);
+//   opt.set_tensors({optfuse::TensorRef{{p, n, DType::f32}, {g, n, DType::f32}, {{m, n, DType::f32}, {v, n, DType::f32}}}});
+//   opt.step();
+//
+// State buffers are the caller's: fill them with each state's init value (plan().program.states)
+// before the first step. For Backend::cuda every pointer is device memory and steps are
+// asynchronous on the given stream.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "optfuse/dtype.h"
+#include "optfuse/plan.h"
+
+namespace optfuse {
+
+enum class Backend {
+  reference,  // the plan interpreted in float64: the ground truth for tests
+  cpu,        // generated C++ compiled at run time (interpreted in float32 if no compiler)
+  cuda,       // generated CUDA compiled with NVRTC
+};
+Backend parse_backend(const std::string& name);
+const char* backend_name(Backend b);
+
+struct Buffer {
+  void* data = nullptr;
+  int64_t numel = 0;
+  DType dtype = DType::f32;
+};
+
+// One parameter: its gradient and its state slots in the plan's order, all of one size and dtype.
+struct TensorRef {
+  Buffer param, grad;
+  std::vector<Buffer> states;
+  int group = 0;
+};
+
+struct StepInputs {
+  // Optional float32 scalars (device memory for CUDA): gradients arrive multiplied by *grad_scale;
+  // *found_inf != 0 skips the step. Read on the device, so no host synchronisation is needed.
+  const float* grad_scale = nullptr;
+  const float* found_inf = nullptr;
+  void* stream = nullptr;  // CUstream for CUDA (nullptr: the default stream)
+};
+
+class Executor;
+
+class Optimizer {
+ public:
+  Optimizer(const Chain& chain, Backend backend, int groups = 1);
+  ~Optimizer();
+  Optimizer(Optimizer&&) noexcept;
+  Optimizer& operator=(Optimizer&&) noexcept;
+
+  const Plan& plan() const { return plan_; }
+  Backend backend() const { return backend_; }
+  int num_groups() const { return groups_; }
+  // Adds a group with the chain's default hyperparameters; returns its index.
+  int add_group();
+  // Sets every hyperparameter the name matches (short or qualified) for one group; validated
+  // against the rule's range, nothing changes on error. Never recompiles.
+  void set_hyper(int group, const std::string& name, double value);
+  double hyper(int group, const std::string& name) const;
+  // Steps taken so far by a group (reads back from the device for CUDA).
+  int64_t step_count(int group) const;
+  void set_step_count(int group, int64_t steps);
+
+  // Validates every tensor (sizes and dtypes agree, state count matches the plan, group exists)
+  // and builds the tensor table; throws without changing anything on bad input.
+  void set_tensors(const std::vector<TensorRef>& tensors);
+  const std::vector<TensorRef>& tensors() const { return tensors_; }
+  void step(const StepInputs& inputs = {});
+
+  // The generated source the backend runs (empty for the reference backend).
+  std::string source() const;
+  // A one-line description of how the backend runs (compiled, cached, fallback...).
+  std::string backend_status() const;
+
+ private:
+  void check_group(int group) const;
+  void upload_hypers();
+  Plan plan_;
+  Backend backend_;
+  int groups_ = 0;
+  std::vector<double> hypers_;   // [group][hyper]
+  std::vector<TensorRef> tensors_;
+  std::unique_ptr<Executor> exec_;
+};
+
+// Fills a state buffer with its init value (host memory only; helper for tests and the CLI).
+void fill_host_buffer(const Buffer& b, double value);
+
+}  // namespace optfuse

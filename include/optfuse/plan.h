@@ -1,0 +1,74 @@
+// The plan: a program after passes, cut into the fewest passes over memory.
+//
+// Every node is *uniform* (one value per parameter group: computed once per step in float64 by
+// the scalar phase) or *element* (one value per tensor element: computed in float32 inside a
+// pass over memory). A node's *level* counts the global reductions beneath it: level 0 needs
+// none; a reduction of a level-L element value has level L+1. The plan is then
+//   for L = 1..max: scalar phase (uniforms of level < L) -> reduce phase L (one pass over memory)
+//   final scalar phase (all uniforms; decide skip; commit the step count) -> update phase
+// so clip_by_global_norm + adamw is one read of the gradients and one read/write of everything.
+//
+// Scalars live in one float64 table (on the device for CUDA), laid out as
+//   globals[kNumGlobals] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
+// where `derived` holds the uniform values element code reads (bias corrections, clip
+// coefficient, ...). Sizes depend on the group count G, never on tensor shapes.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "optfuse/dtype.h"
+#include "optfuse/rule.h"
+
+namespace optfuse {
+
+enum class ValueKind : uint8_t { Uniform, Element };
+
+struct ElementPhase {
+  enum class Kind { Reduce, Update } kind = Kind::Update;
+  int level = 0;
+  std::vector<NodeId> nodes;       // element nodes evaluated per element, in topological order
+  std::vector<NodeId> reductions;  // Reduce: the reduction nodes this pass produces
+  bool reads_param = false, reads_grad = false, writes_param = false;
+  std::vector<int> reads_states, writes_states;
+  // Tensor elements read and written per parameter element (times the storage size = bytes).
+  int reads() const;
+  int writes() const;
+};
+
+struct ScalarLayout {
+  int hypers_per_group = 0, derived_per_group = 0, reductions = 0;
+  int globals_offset() const { return 0; }
+  int reductions_offset() const { return kNumGlobals; }
+  int hypers_offset() const { return kNumGlobals + reductions; }
+  int steps_offset(int groups) const { return hypers_offset() + groups * hypers_per_group; }
+  int skip_offset(int groups) const { return steps_offset(groups) + groups; }
+  int derived_offset(int groups) const { return skip_offset(groups) + groups; }
+  int size(int groups) const { return derived_offset(groups) + groups * derived_per_group; }
+};
+
+struct Plan {
+  Program program;                      // after passes
+  std::vector<ValueKind> kind;          // per node
+  std::vector<int> level;               // per node
+  std::vector<ElementPhase> phases;     // in execution order; the last is the update
+  std::vector<NodeId> reductions;       // reduction slot -> node
+  std::vector<NodeId> derived;          // derived slot -> uniform node read by element code
+  std::map<NodeId, int> derived_slot;
+  ScalarLayout layout;
+  std::vector<std::string> pass_log;    // "name: N nodes" per pass, for explain
+
+  int num_states() const { return static_cast<int>(program.states.size()); }
+  int max_level() const { return phases.empty() ? 0 : phases.back().level; }
+  // Human-readable: phases, what each reads and writes, bytes per element for a storage dtype.
+  std::string describe(DType storage = DType::f32) const;
+};
+
+// Runs the pass pipeline on the chain's program and plans it.
+Plan make_plan(const Chain& chain);
+Plan make_plan(Program program);
+
+// Prints the IR one node per line ("%7 = mul %3, %5   ; element L0 exp_avg_new").
+std::string print_ir(const Program& p, const std::vector<ValueKind>* kinds = nullptr);
+
+}  // namespace optfuse

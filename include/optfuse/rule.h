@@ -1,0 +1,139 @@
+// Rules and chains (optax's model): a rule declares its state slots and hyperparameters and maps
+// (param, incoming update, state, step) to (outgoing update, new state). A chain applies its rules
+// in order, each rule's outgoing update being the next one's incoming update; the parameter then
+// becomes param + final update. Named optimizers are chains of small rules (builtin_rules.h).
+//
+// A new rule is a few lines of math:
+//   Rule r = Rule("scale_by_sign")
+//       .hyper("strength", 1.0, Range::non_negative())
+//       .update([](RuleBuilder& b) { return sign(b.update()) * b.hyper("strength"); });
+#pragma once
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "optfuse/ir.h"
+
+namespace optfuse {
+
+// The set a hyperparameter's value must lie in; checked whenever a value is set.
+struct Range {
+  double lo = -1e308, hi = 1e308;
+  bool lo_open = false, hi_open = false;
+  static Range any() { return {}; }
+  static Range non_negative() { return {0, 1e308, false, false}; }
+  static Range positive() { return {0, 1e308, true, false}; }
+  static Range unit_interval_open_right() { return {0, 1, false, true}; }  // [0, 1): betas
+  bool contains(double v) const;
+  std::string describe() const;
+};
+
+struct HyperSpec {
+  std::string name;   // short name, as users write it ("lr", "b1")
+  double value = 0;   // value given when the rule was made (the default for every group)
+  Range range;
+};
+
+struct StateSpec {
+  std::string name;   // e.g. "exp_avg"
+  double init = 0;    // every element starts at this value
+};
+
+class RuleBuilder;
+
+class Rule {
+ public:
+  using UpdateFn = std::function<Expr(RuleBuilder&)>;
+  Rule() = default;
+  explicit Rule(std::string name) : name_(std::move(name)) {}
+  // Builder-style declarations; each throws optfuse::Error on an invalid value or a duplicate name.
+  Rule& hyper(const std::string& name, double value, Range range = Range::any());
+  Rule& state(const std::string& name, double init = 0);
+  Rule& update(UpdateFn fn);
+  // A note shown in `explain` (e.g. the boolean options the rule was built with).
+  Rule& note(const std::string& text);
+
+  const std::string& name() const { return name_; }
+  const std::vector<HyperSpec>& hypers() const { return hypers_; }
+  const std::vector<StateSpec>& states() const { return states_; }
+  const UpdateFn& update_fn() const { return fn_; }
+  const std::string& notes() const { return notes_; }
+  // "scale_by_adam(b1=0.9, b2=0.999, eps=1e-08)"
+  std::string signature() const;
+
+ private:
+  std::string name_;
+  std::vector<HyperSpec> hypers_;
+  std::vector<StateSpec> states_;
+  UpdateFn fn_;
+  std::string notes_;
+};
+
+using Chain = std::vector<Rule>;
+// Concatenates chains (and single rules) into one chain.
+Chain chain(std::initializer_list<Chain> parts);
+
+// A state slot of a whole program: the rule it belongs to and its qualified name
+// ("scale_by_adam.exp_avg"; a rule used twice in a chain gets "#2" on the second).
+struct ProgramState {
+  std::string rule, name, qualified;
+  double init = 0;
+};
+struct ProgramHyper {
+  std::string rule, name, qualified;
+  double value = 0;
+  Range range;
+};
+// Global scalars the caller sets per step; every program has all of them (unused ones cost nothing).
+enum GlobalSlot : int32_t { kGradScale = 0, kFoundInf = 1, kNumGlobals = 2 };
+const char* global_name(int32_t slot);
+
+// A chain lowered to one expression graph: what the passes and the planner work on.
+struct Program {
+  std::string chain_text;               // the chain's signatures, for comments and explain
+  Graph graph;
+  std::vector<ProgramState> states;
+  std::vector<ProgramHyper> hypers;
+  NodeId param_out = kNoNode;           // the new parameter value
+  std::vector<NodeId> state_out;        // per state slot: the new value (the old one if unchanged)
+  NodeId skip = kNoNode;                // uniform: when != 0 the step changes nothing (kNoNode: never)
+  std::map<NodeId, std::string> names;  // readable names for generated code ("exp_avg_new")
+
+  // Index of a hyperparameter by short or qualified name: every slot that matches (a short name
+  // may match several rules, e.g. "lr"). Throws optfuse::Error naming the closest known name.
+  std::vector<int> find_hypers(const std::string& name) const;
+};
+
+// What a rule's update function builds with. Reads of undeclared state or hyperparameters throw.
+class RuleBuilder {
+ public:
+  Expr param();                               // the parameter before this step
+  Expr update();                              // incoming update (the gradient for the first rule)
+  Expr state(const std::string& name);        // a declared state slot before this step
+  void set_state(const std::string& name, Expr value);
+  Expr hyper(const std::string& name);        // a declared hyperparameter (per group, uniform)
+  Expr step();                                // the step being taken, 1 on the first (uniform)
+  Expr global(GlobalSlot slot);               // grad_scale, found_inf
+  Expr constant(double v);
+  // The whole step changes nothing (no parameter, state or step count update) when cond != 0.
+  // cond must be uniform (no per-element values).
+  void skip_step_if(Expr cond);
+  // Gives a value a readable name in generated code.
+  Expr name(Expr e, const std::string& name);
+
+ private:
+  friend Program build_program(const Chain& chain);
+  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming);
+  Program& p_;
+  const Rule& rule_;
+  int first_state_, first_hyper_;
+  Expr incoming_;
+};
+
+// Runs every rule's update function in order into one graph. Throws optfuse::Error for a rule
+// that reads an undeclared state or hyperparameter, returns no update, or skips on element values.
+Program build_program(const Chain& chain);
+
+}  // namespace optfuse

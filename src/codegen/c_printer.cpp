@@ -1,0 +1,296 @@
+#include "codegen/c_printer.h"
+
+#include <cmath>
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+namespace optfuse {
+
+namespace {
+
+std::string sanitize(const std::string& s) {
+  std::string out;
+  for (char c : s) out += (std::isalnum(static_cast<unsigned char>(c)) || c == '_') ? c : '_';
+  if (out.empty() || std::isdigit(static_cast<unsigned char>(out[0]))) out = "v_" + out;
+  return out;
+}
+
+std::string literal(double v, bool element) {
+  if (std::isnan(v)) return element ? "OF_NANF" : "OF_NAN";
+  if (std::isinf(v)) return std::string(v < 0 ? "-" : "") + (element ? "OF_INFF" : "OF_INF");
+  char buf[48];
+  if (element) {
+    std::snprintf(buf, sizeof buf, "%.9g", static_cast<double>(static_cast<float>(v)));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+  }
+  std::string s = buf;
+  if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+  return "(" + s + (element ? "f)" : ")");
+}
+
+const char* kCommonPrelude = R"(
+#define OF_INF (1.0 / 0.0)
+#define OF_NAN (0.0 / 0.0)
+#define OF_INFF (1.0f / 0.0f)
+#define OF_NANF (0.0f / 0.0f)
+// Semantics as in include/optfuse/ir.h (the reference evaluator is apply_op there).
+OF_FN float of_sign(float x) { return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x); }
+OF_FN double of_sign(double x) { return x > 0.0 ? 1.0 : (x < 0.0 ? -1.0 : x); }
+OF_FN float of_min(float x, float y) { return (x != x || y != y) ? x + y : (y < x ? y : x); }
+OF_FN double of_min(double x, double y) { return (x != x || y != y) ? x + y : (y < x ? y : x); }
+OF_FN float of_max(float x, float y) { return (x != x || y != y) ? x + y : (y > x ? y : x); }
+OF_FN double of_max(double x, double y) { return (x != x || y != y) ? x + y : (y > x ? y : x); }
+// torch.lerp's two-sided form: exact at both ends.
+OF_FN float of_lerp(float a, float b, float w) { return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w); }
+OF_FN double of_lerp(double a, double b, double w) { return fabs(w) < 0.5 ? a + w * (b - a) : b - (b - a) * (1.0 - w); }
+OF_FN unsigned of_f2u(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+OF_FN float of_u2f(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+OF_FN float of_bf16_to_float(unsigned short b) { return of_u2f((unsigned)b << 16); }
+OF_FN unsigned short of_float_to_bf16(float f) {
+  unsigned u = of_f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+OF_FN float of_f16_to_float(unsigned short h) {
+  unsigned sign = (unsigned)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (ex == 0) { float f = (float)man * 5.9604644775390625e-8f; return sign ? -f : f; }
+  return of_u2f(ex == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((ex + 112) << 23) | (man << 13)));
+}
+OF_FN unsigned short of_float_to_f16(float f) {
+  unsigned x = of_f2u(f), sign = (x >> 16) & 0x8000u, mag = x & 0x7fffffffu;
+  if (mag > 0x7f800000u) return (unsigned short)(sign | 0x7e00u);
+  if (mag >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);
+  if (mag < 0x38800000u) { unsigned r = of_f2u(of_u2f(mag) + 0.5f); return (unsigned short)(sign | (r - 0x3f000000u)); }
+  mag += 0xc8000fffu + ((mag >> 13) & 1u);
+  return (unsigned short)(sign | (mag >> 13));
+}
+OF_FN float of_round_bf16(float x) { return of_bf16_to_float(of_float_to_bf16(x)); }
+OF_FN double of_round_bf16(double x) { return of_bf16_to_float(of_float_to_bf16((float)x)); }
+OF_FN float of_round_f16(float x) { return of_f16_to_float(of_float_to_f16(x)); }
+OF_FN double of_round_f16(double x) { return of_f16_to_float(of_float_to_f16((float)x)); }
+)";
+
+}  // namespace
+
+std::vector<std::string> role_names(const Plan& plan) {
+  std::vector<std::string> r{"param", "grad"};
+  std::set<std::string> short_names;
+  int dup = 0;
+  for (auto& s : plan.program.states) dup += !short_names.insert(s.name).second;
+  for (auto& s : plan.program.states) r.push_back(sanitize(dup ? s.qualified : s.name));
+  return r;
+}
+
+CPrinter::CPrinter(const Plan& plan, const Dialect& dialect) : plan_(plan), d_(dialect) {
+  const Program& p = plan.program;
+  std::set<std::string> used;
+  std::vector<std::string> roles = role_names(plan);
+  for (auto& r : roles) used.insert(r);
+  names_.resize(p.graph.size());
+  for (size_t i = 0; i < p.graph.size(); ++i) {
+    const Node& n = p.graph.node(static_cast<NodeId>(i));
+    std::string base;
+    if (n.op == Op::Param) { names_[i] = "param"; continue; }
+    if (n.op == Op::Grad) { names_[i] = "grad"; continue; }
+    if (n.op == Op::State) { names_[i] = roles[2 + static_cast<size_t>(n.index)]; continue; }
+    auto it = p.names.find(static_cast<NodeId>(i));
+    if (it != p.names.end()) base = sanitize(it->second);
+    else if (n.op == Op::Hyper) base = sanitize(p.hypers[static_cast<size_t>(n.index)].name);
+    else if (n.op == Op::Step) base = "step";
+    else if (n.op == Op::Global) base = global_name(n.index);
+    else base = "t" + std::to_string(i);
+    std::string name = base;
+    for (int k = 2; used.count(name); ++k) name = base + "_" + std::to_string(k);
+    used.insert(name);
+    names_[i] = name;
+  }
+}
+
+std::string CPrinter::value_name(NodeId id) const { return names_[static_cast<size_t>(id)]; }
+
+// The right-hand side of node `id`; `element` selects float (element) or double (uniform) math.
+std::string CPrinter::expr(NodeId id, bool element) const {
+  const Node& n = plan_.program.graph.node(id);
+  auto in = [&](int k) {
+    const Node& x = plan_.program.graph.node(n.in[k]);
+    return x.op == Op::Const ? literal(x.value, element) : value_name(n.in[k]);
+  };
+  const char* f = element ? "f" : "";
+  std::string one = element ? "1.0f" : "1.0", zero = element ? "0.0f" : "0.0";
+  auto cmp = [&](const char* o) { return "(" + in(0) + " " + o + " " + in(1) + " ? " + one + " : " + zero + ")"; };
+  switch (n.op) {
+    case Op::Const: return literal(n.value, element);
+    case Op::Neg: return "-" + in(0);
+    case Op::Abs: return std::string("fabs") + f + "(" + in(0) + ")";
+    case Op::Sign: return "of_sign(" + in(0) + ")";
+    case Op::Sqrt: return std::string("sqrt") + f + "(" + in(0) + ")";
+    case Op::Rsqrt: return one + " / sqrt" + f + "(" + in(0) + ")";
+    case Op::Exp: return std::string("exp") + f + "(" + in(0) + ")";
+    case Op::Log: return std::string("log") + f + "(" + in(0) + ")";
+    case Op::Not: return "(" + in(0) + " == " + zero + " ? " + one + " : " + zero + ")";
+    case Op::IsFinite: {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, d_.is_finite, in(0).c_str());
+      return "(" + std::string(buf) + " ? " + one + " : " + zero + ")";
+    }
+    case Op::RoundBF16: return "of_round_bf16(" + in(0) + ")";
+    case Op::RoundF16: return "of_round_f16(" + in(0) + ")";
+    case Op::Add: return in(0) + " + " + in(1);
+    case Op::Sub: return in(0) + " - " + in(1);
+    case Op::Mul: return in(0) + " * " + in(1);
+    case Op::Div: return in(0) + " / " + in(1);
+    case Op::Pow: return std::string("pow") + f + "(" + in(0) + ", " + in(1) + ")";
+    case Op::Min: return "of_min(" + in(0) + ", " + in(1) + ")";
+    case Op::Max: return "of_max(" + in(0) + ", " + in(1) + ")";
+    case Op::Lt: return cmp("<");
+    case Op::Le: return cmp("<=");
+    case Op::Gt: return cmp(">");
+    case Op::Ge: return cmp(">=");
+    case Op::Eq: return cmp("==");
+    case Op::Ne: return cmp("!=");
+    case Op::And: return "(" + in(0) + " != " + zero + " && " + in(1) + " != " + zero + " ? " + one + " : " + zero + ")";
+    case Op::Or: return "(" + in(0) + " != " + zero + " || " + in(1) + " != " + zero + " ? " + one + " : " + zero + ")";
+    case Op::Select: return "(" + in(0) + " != " + zero + " ? " + in(1) + " : " + in(2) + ")";
+    case Op::Lerp: return "of_lerp(" + in(0) + ", " + in(1) + ", " + in(2) + ")";
+    case Op::Fma: return std::string("fma") + f + "(" + in(0) + ", " + in(1) + ", " + in(2) + ")";
+    default: return "/* unprintable " + std::string(op_name(n.op)) + " */";
+  }
+}
+
+std::string CPrinter::header_comment() const {
+  std::ostringstream s;
+  s << "// optfuse generated source (" << d_.name << " backend)\n// chain: " << plan_.program.chain_text << "\n";
+  for (size_t i = 0; i < plan_.phases.size(); ++i) {
+    const ElementPhase& ph = plan_.phases[i];
+    s << "// phase " << i << ": " << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update") << ", "
+      << ph.reads() << " reads + " << ph.writes() << " writes per element\n";
+  }
+  s << "// Do not edit: regenerate with `optfuse explain`.\n";
+  return s.str();
+}
+
+std::string CPrinter::prelude() const {
+  return std::string("#define OF_FN ") + d_.fn_qualifier + "\n" + d_.extra_prelude + kCommonPrelude;
+}
+
+std::string CPrinter::element_function(size_t phase) const {
+  const ElementPhase& ph = plan_.phases.at(phase);
+  const Program& p = plan_.program;
+  std::vector<std::string> roles = role_names(plan_);
+  std::ostringstream s;
+  s << "\n// phase " << phase << " (" << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update")
+    << "): per element, float32 math\n";
+  s << "OF_FN void of_phase" << phase << "_element(float* v, const float* u, double* acc) {\n";
+  if (ph.reads_param) s << "  const float param = v[0];\n";
+  if (ph.reads_grad) s << "  const float grad = v[1];\n";
+  for (int st : ph.reads_states) s << "  const float " << roles[2 + static_cast<size_t>(st)] << " = v[" << 2 + st << "];\n";
+  std::set<NodeId> declared;
+  for (NodeId id : ph.nodes) {
+    const Node& n = p.graph.node(id);
+    for (int k = 0; k < op_arity(n.op); ++k) {
+      NodeId x = n.in[k];
+      auto slot = plan_.derived_slot.find(x);
+      if (slot != plan_.derived_slot.end() && declared.insert(x).second)
+        s << "  const float " << value_name(x) << " = u[" << slot->second << "];\n";
+    }
+  }
+  for (NodeId id : ph.nodes) {
+    const Node& n = p.graph.node(id);
+    if (op_is_leaf(n.op)) continue;
+    s << "  const float " << value_name(id) << " = " << expr(id, true) << ";\n";
+  }
+  auto out = [&](NodeId id) {
+    const Node& n = p.graph.node(id);
+    if (plan_.kind[static_cast<size_t>(id)] == ValueKind::Element) return value_name(id);
+    if (n.op == Op::Const) return literal(n.value, true);
+    return "u[" + std::to_string(plan_.derived_slot.at(id)) + "]";
+  };
+  for (size_t k = 0; k < ph.reductions.size(); ++k) {
+    const Node& r = p.graph.node(ph.reductions[k]);
+    std::string x = value_name(r.in[0]);
+    if (r.op == Op::SumSquares) s << "  acc[" << k << "] += (double)" << x << " * (double)" << x << ";\n";
+    else {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, d_.is_finite, x.c_str());
+      s << "  if (!" << buf << ") acc[" << k << "] = 1.0;\n";
+    }
+  }
+  if (ph.kind == ElementPhase::Kind::Update) {
+    for (int st : ph.writes_states) s << "  v[" << 2 + st << "] = " << out(p.state_out[static_cast<size_t>(st)]) << ";\n";
+    s << "  v[0] = " << out(p.param_out) << ";\n";
+  }
+  if (ph.kind == ElementPhase::Kind::Reduce || !ph.reads_param) s << "  (void)v; (void)u; (void)acc;\n";
+  else s << "  (void)u; (void)acc;\n";
+  s << "}\n";
+  return s.str();
+}
+
+std::string CPrinter::scalar_function(size_t phase) const {
+  const ElementPhase& ph = plan_.phases.at(phase);
+  const Program& p = plan_.program;
+  const Graph& g = p.graph;
+  bool final_phase = ph.kind == ElementPhase::Kind::Update;
+  int limit = final_phase ? ph.level : ph.level - 1;
+  std::ostringstream s;
+  s << "\n// phase " << phase << ": uniform values of one parameter group, float64 math\n";
+  s << "OF_FN void of_phase" << phase << "_scalars(const double* hyper, double steps, const double* globals, "
+    << "const double* reductions, double* derived, double* skip, double* steps_out) {\n";
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (plan_.kind[i] != ValueKind::Uniform || plan_.level[i] > limit) continue;
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (n.op == Op::Const) continue;
+    std::string rhs;
+    switch (n.op) {
+      case Op::Hyper: rhs = "hyper[" + std::to_string(n.index) + "]"; break;
+      case Op::Step: rhs = "steps + 1.0"; break;
+      case Op::Global: rhs = "globals[" + std::to_string(n.index) + "]"; break;
+      case Op::SumSquares:
+      case Op::AnyNonFinite: {
+        size_t r = 0;
+        while (plan_.reductions[r] != static_cast<NodeId>(i)) ++r;
+        rhs = "reductions[" + std::to_string(r) + "]";
+        break;
+      }
+      default: rhs = expr(static_cast<NodeId>(i), false);
+    }
+    s << "  const double " << value_name(static_cast<NodeId>(i)) << " = " << rhs << ";\n";
+  }
+  for (size_t d = 0; d < plan_.derived.size(); ++d)
+    if (plan_.level[static_cast<size_t>(plan_.derived[d])] <= limit)
+      s << "  derived[" << d << "] = " << value_name(plan_.derived[d]) << ";\n";
+  if (final_phase) {
+    if (p.skip != kNoNode) {
+      const Node& sk = g.node(p.skip);
+      std::string cond = sk.op == Op::Const ? literal(sk.value, false) : value_name(p.skip);
+      s << "  const bool skip_step = " << cond << " != 0.0;\n";
+    } else {
+      s << "  const bool skip_step = false;\n";
+    }
+    s << "  *skip = skip_step ? 1.0 : 0.0;\n  if (!skip_step) *steps_out = steps + 1.0;\n";
+  }
+  s << "  (void)hyper; (void)steps; (void)globals; (void)reductions; (void)derived; (void)skip; (void)steps_out;\n}\n";
+  return s.str();
+}
+
+std::string CPrinter::common_source() const {
+  std::string s = prelude();
+  for (size_t i = 0; i < plan_.phases.size(); ++i) s += scalar_function(i) + element_function(i);
+  return s;
+}
+
+const Dialect& cpu_dialect() {
+  static const Dialect d{"cpu", "static inline", "std::isfinite(%s)",
+                         "#include <cmath>\n#include <cstring>\n#include <cstdint>\nusing std::memcpy;\n"};
+  return d;
+}
+
+const Dialect& cuda_dialect() {
+  static const Dialect d{"cuda", "__device__ __forceinline__", "isfinite(%s)",
+                         "#define memcpy(dst, src, n) __builtin_memcpy(dst, src, n)\n"};
+  return d;
+}
+
+}  // namespace optfuse

@@ -1,0 +1,59 @@
+// The one C-like printer. Both backends' sources are C++: the CPU dialect is compiled by the host
+// compiler, the CUDA dialect by NVRTC. They share everything that computes (the element math of
+// each phase, the float64 scalar math, the helpers in the common prelude) and differ only in a small
+// Dialect table and in the driver loops that walk the tensor table (cpu_source.cpp, cuda_source.cpp).
+//
+// Contract with the drivers, for phase i of the plan:
+//   OF_FN void of_phase<i>_element(float* v, const float* u, double* acc)
+//     v[role] holds the loaded values of the roles the phase reads (role 0 param, 1 grad, 2+s state
+//     s, see ElementPhase::reads_*); on return v[role] holds the new values of the roles it writes.
+//     u[d] holds derived uniform slot d rounded to float. Reduce phases add into acc[k] for the
+//     k-th reduction of the phase (sum of squares: += x*x in double; any-non-finite: = 1).
+//   OF_FN void of_phase<i>_scalars(const double* hyper, double steps, const double* globals,
+//                                  const double* reductions, double* derived, double* skip, double* steps_out)
+//     one group's uniform values for this phase; hyper points at the group's row. The update
+//     phase's version also writes *skip and, when not skipping, *steps_out = steps + 1.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "optfuse/plan.h"
+
+namespace optfuse {
+
+struct Dialect {
+  const char* name;          // "cpu" | "cuda"
+  const char* fn_qualifier;  // qualifier of helper and element functions
+  const char* is_finite;     // expression template for a float finiteness test: "%s"
+  const char* extra_prelude; // dialect-only helpers (e.g. bf16 conversions through intrinsics)
+};
+
+const Dialect& cpu_dialect();
+const Dialect& cuda_dialect();
+
+class CPrinter {
+ public:
+  CPrinter(const Plan& plan, const Dialect& dialect);
+  // "// optfuse generated source ..." naming the chain, the backend and the phases.
+  std::string header_comment() const;
+  // Shared helpers: lerp, min/max with NaN, sign, bf16/f16 conversions, OF_FN.
+  std::string prelude() const;
+  std::string element_function(size_t phase) const;
+  std::string scalar_function(size_t phase) const;
+  // Everything above for every phase, in order: what a driver puts before its loops.
+  std::string common_source() const;
+  int num_roles() const { return 2 + plan_.num_states(); }
+  const Plan& plan() const { return plan_; }
+
+ private:
+  std::string value_name(NodeId id) const;
+  std::string expr(NodeId id, bool element) const;
+  const Plan& plan_;
+  const Dialect& d_;
+  std::vector<std::string> names_;  // unique C identifier per node
+};
+
+// Role names for comments and for drivers: "param", "grad", then state names.
+std::vector<std::string> role_names(const Plan& plan);
+
+}  // namespace optfuse

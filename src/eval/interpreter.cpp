@@ -1,0 +1,141 @@
+#include "eval/interpreter.h"
+
+#include <cmath>
+
+#include "optfuse/error.h"
+
+namespace optfuse {
+
+void set_globals(double* table, const StepInputs& in) {
+  table[kGradScale] = in.grad_scale ? static_cast<double>(*in.grad_scale) : 1.0;
+  table[kFoundInf] = in.found_inf ? static_cast<double>(*in.found_inf) : 0.0;
+}
+
+void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups,
+                      const std::vector<std::vector<double>>& partials) {
+  const Program& p = plan.program;
+  const Graph& g = p.graph;
+  const ScalarLayout& L = plan.layout;
+  const ElementPhase& next = plan.phases.at(phase_index);
+  // Reductions finished by earlier phases: combine their partials in chunk order.
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.level[static_cast<size_t>(plan.reductions[r])] >= next.level + (next.kind == ElementPhase::Kind::Reduce ? 0 : 1))
+      continue;
+    bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
+    double acc = 0;
+    for (double v : partials[r]) acc = any ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v;
+    table[L.reductions_offset() + static_cast<int>(r)] = acc;
+  }
+  bool final_phase = next.kind == ElementPhase::Kind::Update;
+  int limit = final_phase ? next.level : next.level - 1;  // uniform levels available to this phase
+  std::vector<double> val(g.size(), 0.0);
+  for (int grp = 0; grp < groups; ++grp) {
+    double steps = table[L.steps_offset(groups) + grp];
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (plan.kind[i] != ValueKind::Uniform || plan.level[i] > limit) continue;
+      const Node& n = g.node(static_cast<NodeId>(i));
+      switch (n.op) {
+        case Op::Const: val[i] = n.value; break;
+        case Op::Hyper: val[i] = table[L.hypers_offset() + grp * L.hypers_per_group + n.index]; break;
+        case Op::Step: val[i] = steps + 1; break;
+        case Op::Global: val[i] = table[L.globals_offset() + n.index]; break;
+        case Op::SumSquares:
+        case Op::AnyNonFinite: {
+          size_t r = 0;
+          while (plan.reductions[r] != static_cast<NodeId>(i)) ++r;
+          val[i] = table[L.reductions_offset() + static_cast<int>(r)];
+          break;
+        }
+        default: {
+          double x = val[static_cast<size_t>(n.in[0])];
+          double y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : 0.0;
+          double z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : 0.0;
+          val[i] = apply_op<double>(n.op, x, y, z);
+        }
+      }
+    }
+    for (size_t d = 0; d < plan.derived.size(); ++d)
+      if (plan.level[static_cast<size_t>(plan.derived[d])] <= limit)
+        table[L.derived_offset(groups) + grp * L.derived_per_group + static_cast<int>(d)] =
+            val[static_cast<size_t>(plan.derived[d])];
+    if (final_phase) {
+      bool skip = p.skip != kNoNode && val[static_cast<size_t>(p.skip)] != 0.0;
+      table[L.skip_offset(groups) + grp] = skip ? 1.0 : 0.0;
+      if (!skip) table[L.steps_offset(groups) + grp] = steps + 1;
+    }
+  }
+}
+
+template <class T>
+void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
+                       const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
+                       int groups, std::vector<std::vector<double>>& partials) {
+  const Program& p = plan.program;
+  const Graph& g = p.graph;
+  const ScalarLayout& L = plan.layout;
+  bool update = phase.kind == ElementPhase::Kind::Update;
+  std::vector<T> val(g.size(), T(0));
+  std::vector<size_t> red_slot;
+  for (NodeId r : phase.reductions) {
+    size_t s = 0;
+    while (plan.reductions[s] != r) ++s;
+    red_slot.push_back(s);
+  }
+  for (size_t c = first; c < last; ++c) {
+    const Chunk& ch = chunks[c];
+    const TensorRef& t = tensors[static_cast<size_t>(ch.tensor)];
+    int grp = t.group;
+    if (update && table[L.skip_offset(groups) + grp] != 0.0) continue;
+    // Uniform inputs, rounded to T as they enter element math.
+    const double* derived = table + L.derived_offset(groups) + grp * L.derived_per_group;
+    for (size_t d = 0; d < plan.derived.size(); ++d)
+      val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
+    for (size_t i = 0; i < g.size(); ++i)
+      if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
+    std::vector<double> acc(phase.reductions.size(), 0.0);
+    for (int64_t e = ch.begin; e < ch.begin + ch.length; ++e) {
+      for (NodeId id : phase.nodes) {
+        const Node& n = g.node(id);
+        size_t i = static_cast<size_t>(id);
+        switch (n.op) {
+          case Op::Param: val[i] = static_cast<T>(load_element(t.param.data, t.param.dtype, e)); break;
+          case Op::Grad: val[i] = static_cast<T>(load_element(t.grad.data, t.grad.dtype, e)); break;
+          case Op::State: {
+            const Buffer& b = t.states[static_cast<size_t>(n.index)];
+            val[i] = static_cast<T>(load_element(b.data, b.dtype, e));
+            break;
+          }
+          default: {
+            T x = val[static_cast<size_t>(n.in[0])];
+            T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
+            T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
+            val[i] = apply_op<T>(n.op, x, y, z);
+          }
+        }
+      }
+      for (size_t r = 0; r < phase.reductions.size(); ++r) {
+        const Node& rn = g.node(phase.reductions[r]);
+        double x = static_cast<double>(val[static_cast<size_t>(rn.in[0])]);
+        if (rn.op == Op::SumSquares) acc[r] += x * x;
+        else if (!std::isfinite(x)) acc[r] = 1.0;
+      }
+      if (update) {
+        for (int s : phase.writes_states) {
+          const Buffer& b = t.states[static_cast<size_t>(s)];
+          store_element(b.data, b.dtype, e, static_cast<double>(val[static_cast<size_t>(p.state_out[static_cast<size_t>(s)])]));
+        }
+        store_element(t.param.data, t.param.dtype, e, static_cast<double>(val[static_cast<size_t>(p.param_out)]));
+      }
+    }
+    for (size_t r = 0; r < phase.reductions.size(); ++r) partials[red_slot[r]][c] = acc[r];
+  }
+}
+
+template void run_element_phase<double>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
+                                        const std::vector<Chunk>&, size_t, size_t, const double*, int,
+                                        std::vector<std::vector<double>>&);
+template void run_element_phase<float>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
+                                       const std::vector<Chunk>&, size_t, size_t, const double*, int,
+                                       std::vector<std::vector<double>>&);
+
+}  // namespace optfuse

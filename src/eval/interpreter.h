@@ -1,0 +1,30 @@
+// The plan interpreted on the host: the reference evaluator (element math in float64) and the CPU
+// fallback when no compiler is available (element math in float32, the same rounding as the
+// generated code). Also the scalar phase, which the reference and CPU backends share.
+#pragma once
+#include <vector>
+
+#include "optfuse/optimizer.h"
+#include "runtime/chunks.h"
+
+namespace optfuse {
+
+// Scalar phase before element phase `phase_index` of the plan: combines the partial sums of the
+// reductions the previous phases produced (`partials[r][chunk]`, in chunk order), then evaluates
+// uniform values for every group in float64 into the derived area. Before the update phase it
+// also decides skip per group and, where not skipped, commits the step count.
+void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups,
+                      const std::vector<std::vector<double>>& partials);
+
+// One element phase over chunks [first, last) of `chunks`. For a reduce phase, writes one partial
+// per reduction of this phase per chunk into partials[reduction slot][chunk]. T = double is the
+// reference evaluator; T = float mirrors generated code.
+template <class T>
+void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
+                       const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
+                       int groups, std::vector<std::vector<double>>& partials);
+
+// Writes the step's global scalars (grad_scale, found_inf; host pointers or defaults 1 and 0).
+void set_globals(double* table, const StepInputs& in);
+
+}  // namespace optfuse

@@ -1,0 +1,87 @@
+#include "optfuse/dtype.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "optfuse/error.h"
+
+namespace optfuse {
+
+DType parse_dtype(const std::string& n) {
+  if (n == "float32" || n == "f32" || n == "fp32" || n == "float") return DType::f32;
+  if (n == "float16" || n == "f16" || n == "fp16" || n == "half") return DType::f16;
+  if (n == "bfloat16" || n == "bf16") return DType::bf16;
+  throw Error("unknown dtype '" + n + "' (expected float32, float16 or bfloat16)");
+}
+
+uint16_t float_to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// IEEE binary16 conversions, written out because C++17 has no portable half type.
+uint16_t float_to_f16_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t mag = x & 0x7fffffffu;
+  if (mag > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (mag >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (mag < 0x38800000u) {  // subnormal or zero in half: scale by 2^24 and round via float add
+    float a;
+    uint32_t m = mag;
+    std::memcpy(&a, &m, 4);
+    a = a + 0.5f;  // 0.5 = 2^-1: puts the half-subnormal ulp (2^-24) in the float's last place
+    uint32_t r;
+    std::memcpy(&r, &a, 4);
+    return static_cast<uint16_t>(sign | (r - 0x3f000000u));
+  }
+  uint32_t odd = (mag >> 13) & 1u;
+  mag += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return static_cast<uint16_t>(sign | (mag >> 13));
+}
+
+float f16_bits_to_float(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(man), -24);
+    if (sign) f = -f;
+    return f;
+  }
+  uint32_t u = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112) << 23) | (man << 13));
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+double load_element(const void* base, DType t, int64_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(base)[i];
+    case DType::f16: return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+  return 0;
+}
+
+void store_element(void* base, DType t, int64_t i, double v) {
+  float f = static_cast<float>(v);
+  switch (t) {
+    case DType::f32: static_cast<float*>(base)[i] = f; break;
+    case DType::f16: static_cast<uint16_t*>(base)[i] = float_to_f16_bits(f); break;
+    case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(f); break;
+  }
+}
+
+}  // namespace optfuse

@@ -1,0 +1,258 @@
+// Names -> built-in rules and named optimizers, with argument schemas (kinds, defaults, order) so
+// that C++ callers, SPEC text and the Python package all get the same names, defaults and errors.
+#include <functional>
+
+#include "optfuse/builtin_rules.h"
+#include "optfuse/error.h"
+#include "rules/builtin_rules.h"
+#include "rules/suggest.h"
+#include "spec/spec_parser.h"
+
+namespace optfuse {
+
+namespace {
+
+struct Param {
+  std::string name;
+  ArgValue def;
+  bool required = false;
+};
+
+// Resolved arguments: every schema parameter has a value of the right kind.
+class Resolved {
+ public:
+  std::map<std::string, ArgValue> v;
+  double num(const std::string& n) const { return v.at(n).number; }
+  bool flag(const std::string& n) const { return v.at(n).boolean; }
+  double beta(int i) const { return v.at("betas").pair.at(static_cast<size_t>(i)); }
+};
+
+struct Builtin {
+  std::vector<Param> params;
+  std::function<Chain(const Resolved&)> make;
+};
+
+const char* kind_name(ArgValue::Kind k) {
+  switch (k) {
+    case ArgValue::Kind::Number: return "a number";
+    case ArgValue::Kind::Bool: return "true or false";
+    case ArgValue::Kind::Pair: return "a pair of numbers like (0.9, 0.999)";
+  }
+  return "?";
+}
+
+const std::vector<Param> kAdamParams = {{"lr", 1e-3},           {"betas", {0.9, 0.999}},
+                                        {"eps", 1e-8},          {"weight_decay", 0.0},
+                                        {"amsgrad", false},     {"maximize", false}};
+
+Chain adam_like(const Resolved& a, bool decoupled) {
+  Chain c;
+  if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+  if (!decoupled && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+  c.push_back(rules::scale_by_adam(a.beta(0), a.beta(1), a.num("eps"), a.flag("amsgrad")));
+  if (decoupled && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+  c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+  return c;
+}
+
+const std::map<std::string, Builtin>& registry() {
+  static const std::map<std::string, Builtin> r = {
+      {"scale_by_adam",
+       {{{"b1", 0.9}, {"b2", 0.999}, {"eps", 1e-8}, {"amsgrad", false}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_adam(a.num("b1"), a.num("b2"), a.num("eps"), a.flag("amsgrad"))};
+        }}},
+      {"add_decayed_weights",
+       {{{"weight_decay", 0.0}}, [](const Resolved& a) { return Chain{rules::add_decayed_weights(a.num("weight_decay"))}; }}},
+      {"scale_by_learning_rate",
+       {{{"lr", 1e-3}}, [](const Resolved& a) { return Chain{rules::scale_by_learning_rate(a.num("lr"))}; }}},
+      {"scale", {{{"factor", 0.0, true}}, [](const Resolved& a) { return Chain{rules::scale(a.num("factor"))}; }}},
+      {"trace",
+       {{{"momentum", 0.9}, {"dampening", 0.0}, {"nesterov", false}},
+        [](const Resolved& a) {
+          return Chain{rules::trace(a.num("momentum"), a.num("dampening"), a.flag("nesterov"))};
+        }}},
+      {"scale_by_lion",
+       {{{"b1", 0.9}, {"b2", 0.99}}, [](const Resolved& a) { return Chain{rules::scale_by_lion(a.num("b1"), a.num("b2"))}; }}},
+      {"scale_by_rms",
+       {{{"alpha", 0.99}, {"eps", 1e-8}, {"centered", false}},
+        [](const Resolved& a) { return Chain{rules::scale_by_rms(a.num("alpha"), a.num("eps"), a.flag("centered"))}; }}},
+      {"scale_by_adagrad",
+       {{{"eps", 1e-10}, {"initial_accumulator_value", 0.0}, {"lr_decay", 0.0}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_adagrad(a.num("eps"), a.num("initial_accumulator_value"), a.num("lr_decay"))};
+        }}},
+      {"clip_by_global_norm",
+       {{{"max_norm", 1.0}}, [](const Resolved& a) { return Chain{rules::clip_by_global_norm(a.num("max_norm"))}; }}},
+      {"unscale_by_grad_scale", {{}, [](const Resolved&) { return Chain{rules::unscale_by_grad_scale()}; }}},
+      {"skip_if_nonfinite", {{}, [](const Resolved&) { return Chain{rules::skip_if_nonfinite()}; }}},
+      {"sgd",
+       {{{"lr", 1e-3}, {"momentum", 0.0}, {"dampening", 0.0}, {"weight_decay", 0.0}, {"nesterov", false}, {"maximize", false}},
+        [](const Resolved& a) {
+          if (a.flag("nesterov") && (a.num("momentum") <= 0 || a.num("dampening") != 0))
+            throw Error("sgd: nesterov=true requires momentum > 0 and dampening = 0");
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          if (a.num("momentum") != 0)
+            c.push_back(rules::trace(a.num("momentum"), a.num("dampening"), a.flag("nesterov")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"adam", {kAdamParams, [](const Resolved& a) { return adam_like(a, false); }}},
+      {"adamw",
+       {{{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 1e-2}, {"amsgrad", false}, {"maximize", false}},
+        [](const Resolved& a) { return adam_like(a, true); }}},
+      {"lion",
+       {{{"lr", 1e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.0}},
+        [](const Resolved& a) {
+          Chain c{rules::scale_by_lion(a.beta(0), a.beta(1))};
+          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"rmsprop",
+       {{{"lr", 1e-2}, {"alpha", 0.99}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"momentum", 0.0}, {"centered", false}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          c.push_back(rules::scale_by_rms(a.num("alpha"), a.num("eps"), a.flag("centered")));
+          if (a.num("momentum") != 0) c.push_back(rules::trace(a.num("momentum"), 0.0, false));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"adagrad",
+       {{{"lr", 1e-2}, {"lr_decay", 0.0}, {"weight_decay", 0.0}, {"initial_accumulator_value", 0.0}, {"eps", 1e-10}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          c.push_back(rules::scale_by_adagrad(a.num("eps"), a.num("initial_accumulator_value"), a.num("lr_decay")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+  };
+  return r;
+}
+
+const Builtin& lookup(const std::string& name) {
+  auto it = registry().find(name);
+  if (it == registry().end())
+    throw Error("unknown rule '" + name + "'" + suggestion(name, builtin_names()) +
+                " (known: " + join_names(builtin_names(), 1) + ")");
+  return it->second;
+}
+
+}  // namespace
+
+std::vector<std::string> builtin_names() {
+  std::vector<std::string> out;
+  for (auto& kv : registry()) out.push_back(kv.first);
+  return out;
+}
+
+std::vector<std::string> builtin_parameter_names(const std::string& name) {
+  std::vector<std::string> out;
+  for (auto& p : lookup(name).params) out.push_back(p.name);
+  return out;
+}
+
+Chain make_builtin(const std::string& name, const Args& args) {
+  const Builtin& b = lookup(name);
+  Resolved r;
+  std::vector<std::string> known;
+  for (auto& p : b.params) {
+    known.push_back(p.name);
+    r.v[p.name] = p.def;
+  }
+  bool has_betas = r.v.count("betas") > 0;
+  if (has_betas) known.insert(known.end(), {"b1", "b2"});
+  for (auto& [key, val] : args) {
+    if (has_betas && (key == "b1" || key == "b2")) {  // b1=, b2= as an alternative to betas=(..)
+      if (val.kind != ArgValue::Kind::Number) throw Error(name + ": " + key + " must be a number");
+      r.v["betas"].pair.at(key == "b1" ? 0 : 1) = val.number;
+      continue;
+    }
+    auto it = r.v.find(key);
+    if (it == r.v.end())
+      throw Error(name + ": unknown argument '" + key + "'" + suggestion(key, known) +
+                  (known.empty() ? " (it takes none)" : " (arguments: " + join_names(known, 1) + ")"));
+    ArgValue v = val;
+    if (it->second.kind == ArgValue::Kind::Number && v.kind == ArgValue::Kind::Bool)
+      throw Error(name + ": " + key + " must be " + kind_name(ArgValue::Kind::Number) + ", got a boolean");
+    if (v.kind != it->second.kind)
+      throw Error(name + ": " + key + " must be " + kind_name(it->second.kind));
+    if (v.kind == ArgValue::Kind::Pair && v.pair.size() != 2)
+      throw Error(name + ": " + key + " must be a pair of two numbers, got " + std::to_string(v.pair.size()));
+    it->second = v;
+  }
+  for (auto& p : b.params)
+    if (p.required && !args.count(p.name)) throw Error(name + ": missing required argument '" + p.name + "'");
+  try {
+    return b.make(r);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    if (msg.rfind(name + ":", 0) == 0) throw;
+    throw Error(name + ": " + msg);
+  }
+}
+
+// SPEC text: a call of a built-in name, or chain(...) of such calls.
+static Chain chain_from_call(const std::string& text, const spec::Call& call) {
+  auto where = [&](size_t pos) { return "\n" + spec::format_position(text, pos); };
+  if (call.name == "chain") {
+    Chain out;
+    for (const auto& a : call.args) {
+      if (!a.keyword.empty() || a.value.kind != spec::Value::Kind::Call)
+        throw Error("spec: chain(...) takes rules, like chain(clip_by_global_norm(1.0), adamw())" + where(a.pos));
+      Chain part = chain_from_call(text, *a.value.call);
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    if (out.empty()) throw Error("spec: chain() needs at least one rule" + where(call.pos));
+    return out;
+  }
+  std::vector<std::string> order;
+  try {
+    order = builtin_parameter_names(call.name);
+  } catch (const Error& e) {
+    throw Error(std::string("spec: ") + e.what() + where(call.pos));
+  }
+  Args args;
+  size_t positional = 0;
+  for (const auto& a : call.args) {
+    std::string key = a.keyword;
+    if (key.empty()) {
+      if (positional >= order.size())
+        throw Error("spec: " + call.name + " takes at most " + std::to_string(order.size()) +
+                    " positional arguments" + where(a.pos));
+      key = order[positional++];
+    }
+    const spec::Value& v = a.value;
+    switch (v.kind) {
+      case spec::Value::Kind::Number: args[key] = ArgValue(v.number); break;
+      case spec::Value::Kind::Bool: args[key] = ArgValue(v.boolean); break;
+      case spec::Value::Kind::Tuple: {
+        std::vector<double> xs;
+        for (const auto& item : v.items) {
+          if (item.kind != spec::Value::Kind::Number)
+            throw Error("spec: " + key + " must be a tuple of numbers" + where(item.pos));
+          xs.push_back(item.number);
+        }
+        args[key] = ArgValue(xs);
+        break;
+      }
+      default:
+        throw Error("spec: " + call.name + ": " + key + " must be a number, true/false or a tuple" + where(v.pos));
+    }
+  }
+  try {
+    return make_builtin(call.name, args);
+  } catch (const Error& e) {
+    throw Error(std::string("spec: ") + e.what() + where(call.pos));
+  }
+}
+
+Chain parse_chain(const std::string& text) { return chain_from_call(text, spec::parse(text)); }
+
+}  // namespace optfuse

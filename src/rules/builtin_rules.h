@@ -1,0 +1,20 @@
+// The built-in rules as plain C++ functions (the math); builtin_registry.cpp maps names and
+// arguments onto them.
+#pragma once
+#include "optfuse/rule.h"
+
+namespace optfuse::rules {
+
+Rule scale_by_adam(double b1, double b2, double eps, bool amsgrad);
+Rule add_decayed_weights(double weight_decay);
+Rule scale_by_learning_rate(double lr);
+Rule scale(double factor);
+Rule trace(double momentum, double dampening, bool nesterov);
+Rule scale_by_lion(double b1, double b2);
+Rule scale_by_rms(double alpha, double eps, bool centered);
+Rule scale_by_adagrad(double eps, double initial_accumulator_value, double lr_decay);
+Rule clip_by_global_norm(double max_norm);
+Rule unscale_by_grad_scale();
+Rule skip_if_nonfinite();
+
+}  // namespace optfuse::rules

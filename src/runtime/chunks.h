@@ -1,0 +1,23 @@
+// Work decomposition shared by the backends: every tensor is cut into chunks of a fixed number of
+// elements (the last chunk of a tensor may be shorter). The list is built once per tensor set.
+// Because chunk boundaries depend only on the tensor sizes and the chunk size, never on thread or
+// block counts, per-chunk partial sums combined in chunk order give bitwise-deterministic
+// reductions.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "optfuse/optimizer.h"
+
+namespace optfuse {
+
+struct Chunk {
+  int64_t begin;   // first element within the tensor
+  int32_t tensor;  // index into the tensor table
+  int32_t length;  // elements in this chunk (> 0)
+};
+static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it 16 bytes");
+
+std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems);
+
+}  // namespace optfuse

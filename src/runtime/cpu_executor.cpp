@@ -1,0 +1,96 @@
+// The CPU backend: the plan's generated C++ compiled once by the host compiler (cached on disk by
+// content hash) and run over fixed chunks of every tensor by the thread pool. Chunks never depend
+// on the thread count, so results are bitwise identical for any number of threads. With no
+// compiler at run time the same phases are interpreted in float32 (slower; said once on stderr).
+#include <cstdio>
+#include <mutex>
+
+#include "codegen/cpu_source.h"
+#include "eval/interpreter.h"
+#include "optfuse/error.h"
+#include "runtime/host_compiler.h"
+#include "runtime/host_executor.h"
+#include "runtime/tensor_table.h"
+#include "runtime/thread_pool.h"
+
+namespace optfuse {
+
+namespace {
+
+using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long first, long long last,
+                         const double* derived, const double* skip, int derived_per_group, double* partials,
+                         long long num_chunks);
+
+constexpr int32_t kCpuChunk = 16384;  // elements: small enough to balance threads, large enough to amortise
+
+class CpuExecutor : public HostExecutor {
+ public:
+  explicit CpuExecutor(const Plan& plan) : HostExecutor(plan, kCpuChunk), source_(generate_cpu_source(plan)) {
+    std::string why;
+    if (!host::find_compiler(&why)) {
+      static std::once_flag once;
+      std::call_once(once, [&] {
+        std::fprintf(stderr, "optfuse: no C++ compiler at run time (%s); the CPU backend interprets its plans "
+                             "in float32 instead (correct, but much slower)\n", why.c_str());
+      });
+      status_ = "interpreted in float32 (no compiler: " + why + ")";
+      return;
+    }
+    host::CompileResult r = host::compile_shared_object(source_);
+    lib_ = std::make_unique<host::SharedLibrary>(r.so_path);
+    for (size_t i = 0; i < plan.phases.size(); ++i)
+      fns_.push_back(reinterpret_cast<PhaseFn>(lib_->symbol("of_phase" + std::to_string(i))));
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads", r.from_cache ? "cached" : "compiled now",
+                  r.seconds, default_thread_count());
+    status_ = buf;
+  }
+  std::string source() const override { return source_; }
+  std::string status() const override { return status_; }
+
+  void set_tensors(const std::vector<TensorRef>& tensors) override {
+    HostExecutor::set_tensors(tensors);
+    table_words_ = build_tensor_table(tensors, plan_.num_states());
+  }
+
+ protected:
+  void run_phase(size_t index) override {
+    const ElementPhase& ph = plan_.phases[index];
+    int64_t n = static_cast<int64_t>(chunks_.size());
+    if (fns_.empty()) {
+      default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
+        run_element_phase<float>(plan_, ph, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
+                                 table_.data(), groups_, partials_);
+      });
+      return;
+    }
+    const ScalarLayout& L = plan_.layout;
+    phase_partials_.assign(ph.reductions.size() * chunks_.size(), 0.0);
+    const double* derived = table_.data() + L.derived_offset(groups_);
+    const double* skip = table_.data() + L.skip_offset(groups_);
+    PhaseFn fn = fns_[index];
+    default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
+      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, L.derived_per_group, phase_partials_.data(), n);
+    });
+    for (size_t k = 0; k < ph.reductions.size(); ++k) {
+      size_t slot = 0;
+      while (plan_.reductions[slot] != ph.reductions[k]) ++slot;
+      std::copy(phase_partials_.begin() + static_cast<std::ptrdiff_t>(k * chunks_.size()),
+                phase_partials_.begin() + static_cast<std::ptrdiff_t>((k + 1) * chunks_.size()),
+                partials_[slot].begin());
+    }
+  }
+
+ private:
+  std::string source_, status_;
+  std::unique_ptr<host::SharedLibrary> lib_;
+  std::vector<PhaseFn> fns_;
+  std::vector<uint64_t> table_words_;
+  std::vector<double> phase_partials_;
+};
+
+}  // namespace
+
+std::unique_ptr<Executor> make_cpu_executor(const Plan& plan) { return std::make_unique<CpuExecutor>(plan); }
+
+}  // namespace optfuse

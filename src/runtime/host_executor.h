@@ -1,0 +1,35 @@
+// Executors whose scalars live in host memory: the reference evaluator, and the base of the CPU
+// backend. They share the scalar table, the chunk list and the scalar phases; subclasses say how
+// an element phase runs over a range of chunks.
+#pragma once
+#include <vector>
+
+#include "runtime/chunks.h"
+#include "runtime/executor.h"
+
+namespace optfuse {
+
+class HostExecutor : public Executor {
+ public:
+  HostExecutor(const Plan& plan, int32_t chunk_elems);
+  void resize_groups(int groups) override;
+  void write_hypers(const std::vector<double>& hypers) override;
+  int64_t read_step(int group) override;
+  void write_step(int group, int64_t steps) override;
+  void set_tensors(const std::vector<TensorRef>& tensors) override;
+  void step(const StepInputs& in) override;
+
+ protected:
+  // Runs element phase `index` over all chunks, filling partials_ for reduce phases.
+  virtual void run_phase(size_t index) = 0;
+
+  const Plan& plan_;
+  int32_t chunk_elems_;
+  int groups_ = 0;
+  std::vector<double> table_;
+  std::vector<TensorRef> tensors_;
+  std::vector<Chunk> chunks_;
+  std::vector<std::vector<double>> partials_;  // [reduction][chunk]
+};
+
+}  // namespace optfuse

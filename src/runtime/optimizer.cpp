@@ -1,0 +1,127 @@
+#include "optfuse/optimizer.h"
+
+#include <sstream>
+
+#include "optfuse/error.h"
+#include "runtime/executor.h"
+
+namespace optfuse {
+
+Backend parse_backend(const std::string& name) {
+  if (name == "reference") return Backend::reference;
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  throw Error("unknown backend '" + name + "' (expected reference, cpu or cuda)");
+}
+
+const char* backend_name(Backend b) {
+  switch (b) {
+    case Backend::reference: return "reference";
+    case Backend::cpu: return "cpu";
+    case Backend::cuda: return "cuda";
+  }
+  return "?";
+}
+
+Optimizer::Optimizer(const Chain& chain, Backend backend, int groups)
+    : plan_(make_plan(chain)), backend_(backend) {
+  if (groups < 1) throw Error("an optimizer needs at least one parameter group");
+  switch (backend) {
+    case Backend::reference: exec_ = make_reference_executor(plan_); break;
+    case Backend::cpu: exec_ = make_cpu_executor(plan_); break;
+    case Backend::cuda: exec_ = make_cuda_executor(plan_); break;
+  }
+  for (int g = 0; g < groups; ++g) add_group();
+}
+
+Optimizer::~Optimizer() = default;
+Optimizer::Optimizer(Optimizer&&) noexcept = default;
+Optimizer& Optimizer::operator=(Optimizer&&) noexcept = default;
+
+int Optimizer::add_group() {
+  exec_->resize_groups(groups_ + 1);
+  for (const auto& h : plan_.program.hypers) hypers_.push_back(h.value);
+  ++groups_;
+  upload_hypers();
+  return groups_ - 1;
+}
+
+void Optimizer::check_group(int group) const {
+  if (group < 0 || group >= groups_)
+    throw Error("parameter group " + std::to_string(group) + " does not exist (there are " +
+                std::to_string(groups_) + ")");
+}
+
+void Optimizer::upload_hypers() { exec_->write_hypers(hypers_); }
+
+void Optimizer::set_hyper(int group, const std::string& name, double value) {
+  check_group(group);
+  std::vector<int> slots = plan_.program.find_hypers(name);
+  for (int s : slots) {
+    const ProgramHyper& h = plan_.program.hypers[static_cast<size_t>(s)];
+    if (!h.range.contains(value)) {
+      std::ostringstream v;
+      v << value;
+      throw Error("invalid " + h.name + "=" + v.str() + " for " + h.rule + ": must be " + h.range.describe());
+    }
+  }
+  size_t per = plan_.program.hypers.size();
+  for (int s : slots) hypers_[static_cast<size_t>(group) * per + static_cast<size_t>(s)] = value;
+  upload_hypers();
+}
+
+double Optimizer::hyper(int group, const std::string& name) const {
+  check_group(group);
+  int s = plan_.program.find_hypers(name).front();
+  return hypers_[static_cast<size_t>(group) * plan_.program.hypers.size() + static_cast<size_t>(s)];
+}
+
+int64_t Optimizer::step_count(int group) const {
+  check_group(group);
+  return exec_->read_step(group);
+}
+
+void Optimizer::set_step_count(int group, int64_t steps) {
+  check_group(group);
+  if (steps < 0) throw Error("a step count cannot be negative");
+  exec_->write_step(group, steps);
+}
+
+static void check_buffer(const std::string& what, size_t t, const Buffer& b, const Buffer& param) {
+  std::string where = "tensor " + std::to_string(t) + ": ";
+  if (b.numel != param.numel)
+    throw Error(where + what + " has " + std::to_string(b.numel) + " elements but the parameter has " +
+                std::to_string(param.numel));
+  if (b.dtype != param.dtype)
+    throw Error(where + what + " is " + dtype_name(b.dtype) + " but the parameter is " + dtype_name(param.dtype));
+  if (b.numel > 0 && b.data == nullptr) throw Error(where + what + " has no data pointer");
+}
+
+void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
+  size_t nstates = plan_.program.states.size();
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const TensorRef& r = tensors[t];
+    if (r.param.numel < 0) throw Error("tensor " + std::to_string(t) + ": negative element count");
+    if (r.param.numel > 0 && r.param.data == nullptr) throw Error("tensor " + std::to_string(t) + ": parameter has no data pointer");
+    check_buffer("gradient", t, r.grad, r.param);
+    if (r.states.size() != nstates)
+      throw Error("tensor " + std::to_string(t) + ": " + std::to_string(r.states.size()) +
+                  " state buffers given but the chain has " + std::to_string(nstates));
+    for (size_t s = 0; s < nstates; ++s) check_buffer("state " + plan_.program.states[s].qualified, t, r.states[s], r.param);
+    if (r.group < 0 || r.group >= groups_)
+      throw Error("tensor " + std::to_string(t) + ": parameter group " + std::to_string(r.group) +
+                  " does not exist (there are " + std::to_string(groups_) + ")");
+  }
+  exec_->set_tensors(tensors);
+  tensors_ = tensors;
+}
+
+void Optimizer::step(const StepInputs& inputs) { exec_->step(inputs); }
+std::string Optimizer::source() const { return exec_->source(); }
+std::string Optimizer::backend_status() const { return exec_->status(); }
+
+void fill_host_buffer(const Buffer& b, double value) {
+  for (int64_t i = 0; i < b.numel; ++i) store_element(b.data, b.dtype, i, value);
+}
+
+}  // namespace optfuse

@@ -1,0 +1,20 @@
+#include "runtime/tensor_table.h"
+
+namespace optfuse {
+
+std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states) {
+  size_t roles = 2 + static_cast<size_t>(num_states);
+  std::vector<uint64_t> words;
+  words.reserve(tensors.size() * (roles + 2));
+  for (const TensorRef& t : tensors) {
+    words.push_back(reinterpret_cast<uint64_t>(t.param.data));
+    words.push_back(reinterpret_cast<uint64_t>(t.grad.data));
+    for (int s = 0; s < num_states; ++s) words.push_back(reinterpret_cast<uint64_t>(t.states[static_cast<size_t>(s)].data));
+    words.push_back(static_cast<uint64_t>(t.param.numel));
+    words.push_back(static_cast<uint64_t>(static_cast<uint32_t>(t.group)) |
+                    (static_cast<uint64_t>(static_cast<uint8_t>(t.param.dtype)) << 32));
+  }
+  return words;
+}
+
+}  // namespace optfuse

@@ -1,0 +1,70 @@
+#include "testing/tensor_set.h"
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+namespace optfuse::testing {
+
+HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, DType dtype, uint64_t seed)
+    : specs_(specs), dtype_(dtype) {
+  size_t roles = 2 + plan.program.states.size();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (const TensorSpec& s : specs) {
+    std::vector<std::vector<uint8_t>> t(roles);
+    for (size_t r = 0; r < roles; ++r) {
+      t[r].resize(static_cast<size_t>(s.numel) * dtype_size(dtype));
+      double init = r >= 2 ? plan.program.states[r - 2].init : 0.0;
+      for (int64_t i = 0; i < s.numel; ++i)
+        store_element(t[r].data(), dtype, i, r < 2 ? normal(rng) : init);
+    }
+    data_.push_back(std::move(t));
+  }
+}
+
+std::vector<TensorRef> HostTensorSet::refs() {
+  std::vector<TensorRef> out;
+  for (size_t t = 0; t < specs_.size(); ++t) {
+    TensorRef r;
+    auto buf = [&](size_t role) { return Buffer{data_[t][role].data(), specs_[t].numel, dtype_}; };
+    r.param = buf(0);
+    r.grad = buf(1);
+    for (size_t role = 2; role < data_[t].size(); ++role) r.states.push_back(buf(role));
+    r.group = specs_[t].group;
+    out.push_back(r);
+  }
+  return out;
+}
+
+void HostTensorSet::randomize_grads(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  for (size_t t = 0; t < specs_.size(); ++t)
+    for (int64_t i = 0; i < specs_[t].numel; ++i) store_element(data_[t][1].data(), dtype_, i, normal(rng));
+}
+
+double HostTensorSet::value(size_t tensor, size_t role, int64_t i) const {
+  return load_element(data_[tensor][role].data(), dtype_, i);
+}
+
+double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b) {
+  double worst = 0;
+  for (size_t t = 0; t < b.size(); ++t) {
+    int64_t n = b.specs()[t].numel;
+    for (size_t r = 0; r < b.num_roles(); ++r) {
+      if (r == 1) continue;  // gradients are inputs
+      double scale = 0;
+      for (int64_t i = 0; i < n; ++i) scale = std::max(scale, std::fabs(b.value(t, r, i)));
+      for (int64_t i = 0; i < n; ++i) {
+        double x = a.value(t, r, i), y = b.value(t, r, i);
+        if (std::isnan(x) != std::isnan(y)) return NAN;
+        if (std::isnan(x)) continue;
+        worst = std::max(worst, std::fabs(x - y) / std::max(scale, 1e-30));
+      }
+    }
+  }
+  return worst;
+}
+
+}  // namespace optfuse::testing

@@ -1,0 +1,41 @@
+// Host-side sets of parameter tensors with gradients and state, for the CLI, benchmarks and tests:
+// random parameters and gradients from a seed, states at their init values.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "optfuse/optimizer.h"
+
+namespace optfuse::testing {
+
+struct TensorSpec {
+  int64_t numel;
+  int group = 0;
+};
+
+class HostTensorSet {
+ public:
+  HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, DType dtype, uint64_t seed);
+  // References into this set's memory.
+  std::vector<TensorRef> refs();
+  // New random gradients (step-dependent), as a training loop would produce.
+  void randomize_grads(uint64_t seed);
+  size_t size() const { return specs_.size(); }
+  DType dtype() const { return dtype_; }
+  size_t num_roles() const { return data_.empty() ? 0 : data_[0].size(); }
+  const std::vector<TensorSpec>& specs() const { return specs_; }
+  // role 0 param, 1 grad, 2+s state s
+  std::vector<uint8_t>& bytes(size_t tensor, size_t role) { return data_[tensor][role]; }
+  double value(size_t tensor, size_t role, int64_t i) const;
+
+ private:
+  std::vector<TensorSpec> specs_;
+  DType dtype_;
+  std::vector<std::vector<std::vector<uint8_t>>> data_;  // [tensor][role] bytes
+};
+
+// Largest |a - b| / max(scale, 1e-30) over every role of every tensor, where scale is the largest
+// |b| of that role's tensor (errors relative to the parameter scale). NaN where exactly one is NaN.
+double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b);
+
+}  // namespace optfuse::testing
