@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <mutex>
 #include <sstream>
 #include <utility>
@@ -18,14 +17,13 @@
 namespace optfuse::cuda {
 namespace {
 
-// ---------------------------------------------------------------------------------------------
 // Symbol tables. cuda.h #defines the plain names to the ABI versions a program built against this
 // toolkit links to (cuMemAlloc -> cuMemAlloc_v2, cuEventElapsedTime -> cuEventElapsedTime_v2,
-// cuGraphInstantiate -> cuGraphInstantiateWithFlags ...). Using the plain name as a macro argument
+// cuGraphInstantiate -> cuGraphInstantiateWithFlags ...). Passing the plain name through a macro
 // lets the preprocessor apply that mapping both to the member's type (decltype of the prototype:
-// the signature of the versioned entry point) and to the string handed to dlsym, so the right
-// versioned symbol is resolved without a hand-kept table. Members are named after the versioned
-// symbol too, and every use below goes through the same macro, so the names always agree.
+// the versioned entry point's signature) and to the string handed to dlsym, so the right versioned
+// symbol is resolved without a hand-kept table. Members carry the versioned name too, and every use
+// goes through the same macros, so the names always agree.
 #define OPTFUSE_STR2(x) #x
 #define OPTFUSE_STR(x) OPTFUSE_STR2(x)
 
@@ -47,13 +45,10 @@ namespace {
   X(nvrtcGetProgramLog) X(nvrtcGetCUBINSize) X(nvrtcGetCUBIN)
 
 #define OPTFUSE_DECLARE(fn) decltype(&::fn) fn = nullptr;
+#define OPTFUSE_RESOLVE(fn) resolve(lib, OPTFUSE_STR(fn), a.fn, &missing);
 
-struct DriverApi {
-  OPTFUSE_DRIVER_FUNCS(OPTFUSE_DECLARE)
-};
-struct NvrtcApi {
-  OPTFUSE_NVRTC_FUNCS(OPTFUSE_DECLARE)
-};
+struct DriverApi { OPTFUSE_DRIVER_FUNCS(OPTFUSE_DECLARE) };
+struct NvrtcApi { OPTFUSE_NVRTC_FUNCS(OPTFUSE_DECLARE) };
 
 template <class Api>
 struct Loaded {
@@ -70,10 +65,12 @@ void resolve(void* lib, const char* name, Fn& slot, std::string* missing) {
   if (!slot && missing->empty()) *missing = name;
 }
 
+// Libraries are never dlclose'd: objects destroyed during static destruction still call into them.
 Loaded<DriverApi> load_driver() {
   Loaded<DriverApi> L;
-  // Only the versioned soname the driver package installs: the toolkit's stubs/libcuda.so (for link
-  // time only) is never picked up, and if a stub is found anyway cuInit reports it below.
+  DriverApi& a = L.api;
+  // Only the soname the driver package installs: the toolkit's link-time stubs/libcuda.so is never
+  // picked up, and if a stub is found anyway, cuInit says so (CUDA_ERROR_STUB_LIBRARY) below.
   void* lib = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (!lib) {
     const char* e = ::dlerror();
@@ -81,65 +78,50 @@ Loaded<DriverApi> load_driver() {
             "): is there an NVIDIA GPU and driver on this machine?";
     return L;
   }
-  // Never dlclose'd: objects that outlive static destruction may still call into it.
   std::string missing;
-  DriverApi& a = L.api;
-#define OPTFUSE_RESOLVE_DRV(fn) resolve(lib, OPTFUSE_STR(fn), a.fn, &missing);
-  OPTFUSE_DRIVER_FUNCS(OPTFUSE_RESOLVE_DRV)
-#undef OPTFUSE_RESOLVE_DRV
+  OPTFUSE_DRIVER_FUNCS(OPTFUSE_RESOLVE)
+  int version = 0, count = 0;
   if (!missing.empty()) {
-    int v = 0;
-    if (a.cuDriverGetVersion) a.cuDriverGetVersion(&v);
-    L.why = "CUDA driver too old: libcuda.so.1 (CUDA " + std::to_string(v / 1000) + "." +
-            std::to_string(v % 1000 / 10) + ") lacks " + missing +
+    if (a.cuDriverGetVersion) a.cuDriverGetVersion(&version);
+    L.why = "CUDA driver too old: libcuda.so.1 (CUDA " + std::to_string(version / 1000) + "." +
+            std::to_string(version % 1000 / 10) + ") lacks " + missing +
             "; optfuse needs a driver for CUDA 12.8 or newer";
-    return L;
-  }
-  if (const CUresult r = a.cuInit(0); r != CUDA_SUCCESS) {
+  } else if (const CUresult r = a.cuInit(0); r != CUDA_SUCCESS) {
     const char *name = "?", *str = "?";
     a.cuGetErrorName(r, &name);
     a.cuGetErrorString(r, &str);
-    L.why = std::string("CUDA driver failed to initialise (cuInit: ") + name + ": " + str + ")";
-    if (r == CUDA_ERROR_STUB_LIBRARY)
-      L.why += ": the toolkit's stub libcuda was loaded instead of the real driver";
-    else if (r == CUDA_ERROR_NO_DEVICE)
-      L.why += ": no CUDA-capable GPU is visible (check CUDA_VISIBLE_DEVICES)";
-    return L;
-  }
-  int count = 0;
-  if (a.cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= 0) {
+    L.why = std::string("CUDA driver failed to initialise (cuInit: ") + name + ": " + str + ")" +
+            (r == CUDA_ERROR_STUB_LIBRARY ? ": the toolkit's stub libcuda was loaded, not a driver"
+             : r == CUDA_ERROR_NO_DEVICE  ? ": no GPU is visible (check CUDA_VISIBLE_DEVICES)"
+                                          : "");
+  } else if (a.cuDeviceGetCount(&count) != CUDA_SUCCESS || count <= 0) {
     L.why = "CUDA driver loaded but no CUDA device found";
-    return L;
+  } else {
+    L.ok = true;
   }
-  L.ok = true;
   return L;
 }
 
 Loaded<NvrtcApi> load_nvrtc() {
   Loaded<NvrtcApi> L;
+  NvrtcApi& a = L.api;
   // The loader's search path first, then the toolkit's default location (often not on it).
   static const char* const kNames[] = {
       "libnvrtc.so.13", "libnvrtc.so", "/usr/local/cuda/lib64/libnvrtc.so.13",
       "/usr/local/cuda/lib64/libnvrtc.so", "/usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so.13",
       "/usr/local/cuda/targets/x86_64-linux/lib/libnvrtc.so"};
   void* lib = nullptr;
-  std::string errors;
+  std::string errors, missing;
   for (const char* n : kNames) {
-    lib = ::dlopen(n, RTLD_NOW | RTLD_LOCAL);
-    if (lib) break;
+    if ((lib = ::dlopen(n, RTLD_NOW | RTLD_LOCAL))) break;
     const char* e = ::dlerror();
     errors += std::string("\n  ") + (e ? e : n);
   }
   if (!lib) {
-    L.why = "NVRTC not found (is the CUDA toolkit installed, or its lib64 on LD_LIBRARY_PATH?):" +
-            errors;
+    L.why = "NVRTC not found (is the CUDA toolkit installed, or its lib64 on LD_LIBRARY_PATH?):" + errors;
     return L;
   }
-  std::string missing;
-  NvrtcApi& a = L.api;
-#define OPTFUSE_RESOLVE_NVRTC(fn) resolve(lib, OPTFUSE_STR(fn), a.fn, &missing);
-  OPTFUSE_NVRTC_FUNCS(OPTFUSE_RESOLVE_NVRTC)
-#undef OPTFUSE_RESOLVE_NVRTC
+  OPTFUSE_NVRTC_FUNCS(OPTFUSE_RESOLVE)
   int major = 0, minor = 0;
   if (!missing.empty() || a.nvrtcVersion(&major, &minor) != NVRTC_SUCCESS) {
     L.why = "NVRTC library unusable: " + (missing.empty() ? "nvrtcVersion failed" : "it lacks " + missing);
@@ -150,8 +132,8 @@ Loaded<NvrtcApi> load_nvrtc() {
   return L;
 }
 
-// Function-local statics: initialised once, thread-safely, on first use; the result (including the
-// reason for a failure) is kept, so later calls are cheap and give the same answer.
+// Function-local statics: loaded once, thread-safely, on first use; the outcome (and the reason for
+// a failure) is kept, so later calls are cheap and give the same answer.
 const Loaded<DriverApi>& driver_state() {
   static const Loaded<DriverApi> s = load_driver();
   return s;
@@ -161,14 +143,12 @@ const Loaded<NvrtcApi>& nvrtc_state() {
   return s;
 }
 const DriverApi& drv() {
-  const auto& s = driver_state();
-  if (!s.ok) throw BackendUnavailable(s.why);
-  return s.api;
+  if (!driver_state().ok) throw BackendUnavailable(driver_state().why);
+  return driver_state().api;
 }
 const NvrtcApi& rtc() {
-  const auto& s = nvrtc_state();
-  if (!s.ok) throw BackendUnavailable(s.why);
-  return s.api;
+  if (!nvrtc_state().ok) throw BackendUnavailable(nvrtc_state().why);
+  return nvrtc_state().api;
 }
 
 std::string cu_error_text(CUresult r) {
@@ -176,62 +156,58 @@ std::string cu_error_text(CUresult r) {
   const auto& d = driver_state().api;
   if (d.cuGetErrorName) d.cuGetErrorName(r, &name);
   if (d.cuGetErrorString) d.cuGetErrorString(r, &str);
-  std::string s = name ? name : ("CUresult " + std::to_string(static_cast<int>(r)));
-  if (str) s += std::string(": ") + str;
-  return s;
+  return (name ? name : "CUresult " + std::to_string(static_cast<int>(r))) +
+         (str ? std::string(": ") + str : std::string());
 }
 
 void cu_check(CUresult r, const char* fn, const std::string& context = {}) {
-  if (r == CUDA_SUCCESS) return;
-  std::string msg = std::string("CUDA error in ") + fn;
-  if (!context.empty()) msg += " (" + context + ")";
-  throw Error(msg + ": " + cu_error_text(r));
+  if (r != CUDA_SUCCESS)
+    throw Error(std::string("CUDA error in ") + fn + (context.empty() ? "" : " (" + context + ")") +
+                ": " + cu_error_text(r));
 }
-
-// CU(fn, args...) calls the loaded entry point for fn and checks it; the message names fn as the
-// user wrote it (e.g. "cuMemAlloc"), not the versioned symbol.
-#define CU(fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn)
-#define CU_CTX(ctx, fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn, ctx)
 
 void rtc_check(nvrtcResult r, const char* fn) {
   if (r == NVRTC_SUCCESS) return;
   const char* s = rtc().nvrtcGetErrorString(r);
   throw Error(std::string("NVRTC error in ") + fn + ": " + (s ? s : "unknown"));
 }
+
+// CU(fn, args...) calls the loaded entry point for fn and checks the result; messages name fn as
+// written here (e.g. "cuMemAlloc"), not the versioned symbol. CU_CTX adds a context string.
+#define CU(fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn)
+#define CU_CTX(ctx, fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn, ctx)
 #define RTC(fn, ...) rtc_check(rtc().fn(__VA_ARGS__), #fn)
 
-// ---------------------------------------------------------------------------------------------
-// Context: the primary context is retained once per process and never released (releasing it at
-// static destruction would race with buffers and modules still being destroyed).
+// The primary context (the one the CUDA runtime uses too) is retained once per process and never
+// released: releasing it at static destruction would race with buffers and modules still alive.
 CUcontext primary_context() {
   static std::mutex mu;
   static CUcontext ctx = nullptr;
   std::lock_guard<std::mutex> lock(mu);
   if (ctx) return ctx;
-  int ordinal = 0;
+  int ordinal = 0, count = 0;
   if (const char* e = std::getenv("OPTFUSE_CUDA_DEVICE"); e && *e) {
     char* end = nullptr;
-    long v = std::strtol(e, &end, 10);
+    const long v = std::strtol(e, &end, 10);
     if (*end != '\0' || v < 0 || v > 1 << 20)
       throw Error(std::string("OPTFUSE_CUDA_DEVICE='") + e + "' is not a device ordinal");
     ordinal = static_cast<int>(v);
   }
-  int count = 0;
   CU(cuDeviceGetCount, &count);
   if (ordinal >= count)
     throw BackendUnavailable("OPTFUSE_CUDA_DEVICE=" + std::to_string(ordinal) + " but only " +
                              std::to_string(count) + " CUDA device(s) are visible");
   CUdevice dev = 0;
   CU(cuDeviceGet, &dev, ordinal);
-  CU(cuDevicePrimaryCtxRetain, &ctx, dev);  // leaves ctx null if it throws
+  CU(cuDevicePrimaryCtxRetain, &ctx, dev);
   return ctx;
 }
 
+// Context currency is per thread: a thread's first call makes the primary context current on it.
 void ensure_context() {
   CUcontext cur = nullptr;
   CU(cuCtxGetCurrent, &cur);
-  if (cur) return;
-  CU(cuCtxSetCurrent, primary_context());
+  if (!cur) CU(cuCtxSetCurrent, primary_context());
 }
 
 bool env_flag(const char* name) {
@@ -241,30 +217,21 @@ bool env_flag(const char* name) {
 
 }  // namespace
 
-// ---------------------------------------------------------------------------------------------
 bool driver_available(std::string* why) {
-  const auto& s = driver_state();
-  if (!s.ok && why) *why = s.why;
-  return s.ok;
+  if (!driver_state().ok && why) *why = driver_state().why;
+  return driver_state().ok;
 }
 
 bool nvrtc_available(std::string* why) {
-  const auto& s = nvrtc_state();
-  if (!s.ok && why) *why = s.why;
-  return s.ok;
+  if (!nvrtc_state().ok && why) *why = nvrtc_state().why;
+  return nvrtc_state().ok;
 }
 
 Device current_device() {
   ensure_context();
   CUdevice dev = 0;
   CU(cuCtxGetDevice, &dev);
-  static std::mutex mu;
-  static std::map<CUdevice, Device> known;  // attributes never change for a device
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = known.find(dev); it != known.end()) return it->second;
-  }
-  Device d;
+  Device d;  // a handful of cheap driver queries, no GPU round trip: not worth caching
   d.ordinal = static_cast<int>(dev);  // CUdevice handles are the ordinals cuDeviceGet was given
   CU(cuDeviceGetAttribute, &d.cc_major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev);
   CU(cuDeviceGetAttribute, &d.cc_minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev);
@@ -273,14 +240,10 @@ Device current_device() {
   CU(cuDeviceGetName, name, static_cast<int>(sizeof name - 1), dev);
   d.name = name;
   CU(cuDeviceTotalMem, &d.total_mem, dev);
-  std::lock_guard<std::mutex> lock(mu);
-  known.emplace(dev, d);
   return d;
 }
 
-// ---------------------------------------------------------------------------------------------
 namespace {
-
 std::string numbered_head(const std::string& source, int max_lines) {
   std::istringstream in(source);
   std::string out, line;
@@ -295,7 +258,6 @@ std::string numbered_head(const std::string& source, int max_lines) {
 bool looks_like_elf(const std::string& b) {
   return b.size() >= 64 && std::memcmp(b.data(), "\x7f" "ELF", 4) == 0;
 }
-
 }  // namespace
 
 CompileResult compile(const std::string& source, const std::string& program_name, int arch,
@@ -341,12 +303,8 @@ CompileResult compile(const std::string& source, const std::string& program_name
 
   nvrtcProgram prog = nullptr;
   RTC(nvrtcCreateProgram, &prog, source.c_str(), program_name.c_str(), 0, nullptr, nullptr);
-  struct Destroy {  // destroys the program on every path out, including throws
-    const NvrtcApi& a;
-    nvrtcProgram* p;
-    ~Destroy() { a.nvrtcDestroyProgram(p); }
-  } destroy{api, &prog};
-
+  std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> destroy(  // on every way out
+      &prog, [](nvrtcProgram* p) { nvrtc_state().api.nvrtcDestroyProgram(p); });
   std::vector<const char*> cargs;
   std::string optline;
   for (const auto& o : opts) cargs.push_back(o.c_str()), optline += " " + o;
@@ -375,7 +333,6 @@ CompileResult compile(const std::string& source, const std::string& program_name
   return CompileResult{std::move(cubin), std::move(log), elapsed(), false};
 }
 
-// ---------------------------------------------------------------------------------------------
 // Kernel resources from the CUBIN's ELF, as the CUDA 12/13 compilers write it (checked against
 // ptxas -v for sm_75..sm_120): the module-wide `.nv.info` section holds, per kernel symbol index,
 // EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11); `.nv.info.<kernel>` holds the launch bounds,
@@ -505,7 +462,6 @@ std::optional<KernelResources> resources_from_cubin(const std::string& b,
   return r;
 }
 
-// ---------------------------------------------------------------------------------------------
 // RAII handles. Deleters ignore errors: they must not throw, and at process exit the driver may
 // already be shutting down.
 namespace detail {
@@ -525,9 +481,8 @@ Module::Module(const std::string& cubin) {
   const CUresult r = drv().cuModuleLoadData(&m, cubin.data());
   if (r == CUDA_ERROR_NO_BINARY_FOR_GPU || r == CUDA_ERROR_INVALID_IMAGE) {
     const Device d = current_device();
-    throw Error("CUDA error in cuModuleLoadData: " + cu_error_text(r) + " (the device is sm_" +
-                std::to_string(d.arch()) + ", " + d.name +
-                "; compile for that architecture, e.g. compile(..., current_device().arch()))");
+    cu_check(r, "cuModuleLoadData", "the device is sm_" + std::to_string(d.arch()) + ", " + d.name +
+                                        ": compile for it, e.g. compile(..., current_device().arch())");
   }
   cu_check(r, "cuModuleLoadData");
   mod_.reset(m);
@@ -549,13 +504,11 @@ KernelResources Module::resources(const std::string& name) const {
   return r;
 }
 
-namespace {
-bool capturing(CUstream stream) {
+static bool capturing(CUstream stream) {
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
   CU(cuStreamIsCapturing, stream, &st);
   return st != CU_STREAM_CAPTURE_STATUS_NONE;
 }
-}  // namespace
 
 void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CUstream stream,
             void** args) {
@@ -575,7 +528,6 @@ void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CU
     CU_CTX("after kernel launch, " + shape, cuStreamSynchronize, stream);
 }
 
-// ---------------------------------------------------------------------------------------------
 DeviceBuffer::DeviceBuffer(size_t bytes) : size_(bytes) {
   if (bytes == 0) return;
   ensure_context();
@@ -623,7 +575,6 @@ void stream_synchronize(CUstream stream) {
   CU(cuStreamSynchronize, stream);
 }
 
-// ---------------------------------------------------------------------------------------------
 Stream::Stream() {
   ensure_context();
   CUstream s = nullptr;
@@ -660,7 +611,6 @@ void Graph::launch(CUstream stream) const {
   CU(cuGraphLaunch, exec_.get(), stream);
 }
 
-// ---------------------------------------------------------------------------------------------
 EventTimer::EventTimer() {
   ensure_context();
   for (auto* ev : {&start_, &stop_}) {
