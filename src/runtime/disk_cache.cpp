@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -52,14 +53,25 @@ std::optional<std::string> DiskCache::load(const std::string& key, const std::st
 bool DiskCache::store(const std::string& key, const std::string& ext,
                       const std::string& bytes) const {
   make_dirs(dir_);
-  std::string tmp = path_for(key, ext) + ".tmp." + std::to_string(::getpid());
+  // Unique per process and per call, so concurrent writers (threads or processes) never share a
+  // temporary file; the rename makes the finished entry appear atomically.
+  static std::atomic<unsigned long> counter{0};
+  std::string tmp = path_for(key, ext) + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(++counter);
   {
     std::ofstream out(tmp, std::ios::binary);
     if (!out) return false;
     out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out) return false;
+    out.close();
+    if (!out) {
+      std::remove(tmp.c_str());
+      return false;
+    }
   }
-  return std::rename(tmp.c_str(), path_for(key, ext).c_str()) == 0;
+  if (std::rename(tmp.c_str(), path_for(key, ext).c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return false;
+  }
+  return true;
 }
 
 }  // namespace optfuse

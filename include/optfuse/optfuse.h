@@ -1,0 +1,10 @@
+// optfuse: optimizer update rules written as math, generated into fused kernels.
+// The umbrella header of the public C++ API.
+#pragma once
+#include "optfuse/builtin_rules.h"
+#include "optfuse/dtype.h"
+#include "optfuse/error.h"
+#include "optfuse/ir.h"
+#include "optfuse/optimizer.h"
+#include "optfuse/plan.h"
+#include "optfuse/rule.h"

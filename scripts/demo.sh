@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The main job: sets up and builds, explains the default chain, checks the CPU backend against the
+# reference evaluator, benchmarks a step on the default CPU workload, then installs the Python
+# package and trains a small GPT twice (torch.optim.AdamW vs optfuse.torch.AdamW), writing a plot.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+scripts/build.sh
+spec="chain(clip_by_global_norm(1.0), adamw(lr=1e-3, weight_decay=0.01))"
+./build/optfuse explain "$spec"
+./build/optfuse check "$spec"
+./build/optfuse bench --workload cpu-default --backend cpu
+python3 -m pip install -q --no-build-isolation .
+mkdir -p out
+python3 examples/train_gpt.py --out out/train_gpt.png
+echo "demo: wrote out/train_gpt.png"

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what building and testing optfuse needs, skipping what is already there:
+# Debian packages (compiler, CMake, Ninja, GoogleTest) and Python packages (build tools, numpy,
+# pytest, matplotlib, torch). The CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda
+# or on PATH; no GPU is needed to build or to run the CPU tests.
+set -euo pipefail
+
+missing=()
+command -v g++ >/dev/null || missing+=(g++)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v ninja >/dev/null || missing+=(ninja-build)
+[ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+command -v python3 >/dev/null || missing+=(python3 python3-pip python3-venv)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
+
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=/usr/local/cuda/bin:$PATH
+fi
+if ! command -v nvcc >/dev/null && [ ! -f /usr/local/cuda/include/cuda.h ]; then
+  echo "setup: the CUDA toolkit (cuda.h, NVRTC) was not found; install it (https://developer.nvidia.com/cuda-downloads)" >&2
+  exit 1
+fi
+
+py_missing=()
+for mod in nanobind scikit_build_core numpy pytest matplotlib torch; do
+  python3 -c "import $mod" 2>/dev/null || py_missing+=("$mod")
+done
+if [ ${#py_missing[@]} -gt 0 ]; then
+  pkgs=("${py_missing[@]/scikit_build_core/scikit-build-core}")
+  echo "setup: installing Python packages: ${pkgs[*]}"
+  python3 -m pip install -q "${pkgs[@]}"
+fi
