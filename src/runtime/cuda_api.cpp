@@ -159,13 +159,11 @@ std::string cu_error_text(CUresult r) {
   return (name ? name : "CUresult " + std::to_string(static_cast<int>(r))) +
          (str ? std::string(": ") + str : std::string());
 }
-
 void cu_check(CUresult r, const char* fn, const std::string& context = {}) {
   if (r != CUDA_SUCCESS)
     throw Error(std::string("CUDA error in ") + fn + (context.empty() ? "" : " (" + context + ")") +
                 ": " + cu_error_text(r));
 }
-
 void rtc_check(nvrtcResult r, const char* fn) {
   if (r == NVRTC_SUCCESS) return;
   const char* s = rtc().nvrtcGetErrorString(r);
@@ -276,7 +274,6 @@ CompileResult compile(const std::string& source, const std::string& program_name
   std::vector<std::string> opts = {"-std=c++17", "--gpu-architecture=sm_" + std::to_string(arch),
                                    "-default-device"};
   opts.insert(opts.end(), extra_options.begin(), extra_options.end());
-
   // Cache key: everything that determines the CUBIN. Two FNV-1a hashes with different prefixes
   // make a 128-bit key, so a collision does not silently load the wrong kernel.
   std::string key_text = "optfuse-cuda-v1\nnvrtc " + nvrtc_state().detail + "\n";
@@ -287,20 +284,18 @@ CompileResult compile(const std::string& source, const std::string& program_name
   DiskCache cache("cuda");
   if (auto hit = use_cache ? cache.load(key, ".cubin") : std::nullopt; hit && looks_like_elf(*hit))
     return CompileResult{std::move(*hit), {}, elapsed(), true};  // a damaged entry is recompiled
-
   // Reject an unknown architecture up front: NVRTC's own message ("invalid value for
   // --gpu-architecture") does not say which ones it supports.
   int n_archs = 0;
   RTC(nvrtcGetNumSupportedArchs, &n_archs);
-  std::vector<int> archs(static_cast<size_t>(std::max(n_archs, 0)));
-  if (n_archs > 0) RTC(nvrtcGetSupportedArchs, archs.data());
-  bool supported = false;
+  std::vector<int> archs(static_cast<size_t>(std::max(n_archs, 0)) + 1);
+  RTC(nvrtcGetSupportedArchs, archs.data());
+  archs.pop_back();
   std::string list;
-  for (int a : archs) supported |= (a == arch), list += " " + std::to_string(a);
-  if (!supported)
+  for (int a : archs) list += " " + std::to_string(a);
+  if (std::find(archs.begin(), archs.end(), arch) == archs.end())
     throw Error("compile(" + program_name + "): NVRTC " + nvrtc_state().detail +
                 " cannot generate code for sm_" + std::to_string(arch) + " (supported:" + list + ")");
-
   nvrtcProgram prog = nullptr;
   RTC(nvrtcCreateProgram, &prog, source.c_str(), program_name.c_str(), 0, nullptr, nullptr);
   std::unique_ptr<nvrtcProgram, void (*)(nvrtcProgram*)> destroy(  // on every way out
@@ -333,19 +328,15 @@ CompileResult compile(const std::string& source, const std::string& program_name
   return CompileResult{std::move(cubin), std::move(log), elapsed(), false};
 }
 
-// Kernel resources from the CUBIN's ELF, as the CUDA 12/13 compilers write it (checked against
-// ptxas -v for sm_75..sm_120): the module-wide `.nv.info` section holds, per kernel symbol index,
-// EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11); `.nv.info.<kernel>` holds the launch bounds,
-// EIATTR_MAX_THREADS (0x05) and EIATTR_REQNTID (0x10). Static shared memory is the size of the
-// NOBITS section `.nv.shared.<kernel>`, less the reserved window at its start on sm_90 and later
-// (cubins with a `.nv.shared.reserved.0` section: 1 KiB, or `.nv.reservedSmem.cap` where that symbol
-// exists, sm_100+); CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES leaves that window out too. Attribute
-// records are {u8 format, u8 attribute, payload} on a 4-byte grid: format 4 (SVAL) carries a u16
-// length and that many bytes, formats 1-3 take 4 bytes in all. On an H200 (driver 580) all four
-// numbers agreed with cuFuncGetAttribute for kernels with and without launch bounds, static or
-// dynamic shared memory and local arrays (tests/cuda/test_cuda_api.cpp).
+// Kernel resources from the CUBIN's ELF as CUDA 12/13 write it (checked with ptxas -v, sm_75..120):
+// `.nv.info` holds per kernel symbol index EIATTR_REGCOUNT (0x2f) and EIATTR_FRAME_SIZE (0x11);
+// `.nv.info.<kernel>` the launch bounds EIATTR_MAX_THREADS (0x05) / EIATTR_REQNTID (0x10). Static
+// shared memory is the size of NOBITS `.nv.shared.<kernel>` less the reserved window at its start
+// from sm_90 on (where `.nv.shared.reserved.0` exists: 1 KiB, or `.nv.reservedSmem.cap` if present),
+// which CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES leaves out too. Records are {u8 format, u8 attribute,
+// payload} on a 4-byte grid: format 4 (SVAL) has a u16 length and that many bytes, formats 1-3 are
+// 4 bytes in all. On an H200 (driver 580) all four numbers matched cuFuncGetAttribute (see tests).
 namespace {
-
 template <class T>
 bool read_at(const std::string& b, uint64_t off, T* out) {
   if (off > b.size() || b.size() - off < sizeof(T)) return false;
@@ -355,7 +346,7 @@ bool read_at(const std::string& b, uint64_t off, T* out) {
 
 struct Section {
   std::string name;
-  uint32_t type = 0, link = 0;
+  uint32_t name_off = 0, type = 0, link = 0;
   uint64_t offset = 0, size = 0;
 };
 
@@ -386,7 +377,6 @@ int max_threads_for_regs(int regs) {
   const int per_warp = (regs * 32 + 255) / 256 * 256;
   return std::min(1024, 4 * (16384 / per_warp) * 32);
 }
-
 }  // namespace
 
 std::optional<KernelResources> resources_from_cubin(const std::string& b,
@@ -400,10 +390,9 @@ std::optional<KernelResources> resources_from_cubin(const std::string& b,
       shstrndx >= shnum)
     throw Error("resources_from_cubin: not a CUDA ELF (cubin) image");
   std::vector<Section> secs(shnum);
-  std::vector<uint32_t> name_off(shnum);
   for (uint16_t i = 0; i < shnum; ++i) {
     const uint64_t h = shoff + uint64_t(i) * shentsize;
-    if (!read_at(b, h, &name_off[i]) || !read_at(b, h + 4, &secs[i].type) ||
+    if (!read_at(b, h, &secs[i].name_off) || !read_at(b, h + 4, &secs[i].type) ||
         !read_at(b, h + 0x18, &secs[i].offset) || !read_at(b, h + 0x20, &secs[i].size) ||
         !read_at(b, h + 0x28, &secs[i].link))
       throw Error("resources_from_cubin: truncated section headers");
@@ -412,8 +401,7 @@ std::optional<KernelResources> resources_from_cubin(const std::string& b,
     return off >= b.size() ? std::string()
                            : std::string(b.data() + off, strnlen(b.data() + off, b.size() - off));
   };
-  for (uint16_t i = 0; i < shnum; ++i) secs[i].name = cstr(secs[shstrndx].offset + name_off[i]);
-
+  for (Section& s : secs) s.name = cstr(secs[shstrndx].offset + s.name_off);
   int64_t sym_index = -1;     // the kernel's symbol index, which .nv.info records refer to
   uint64_t reserved_cap = 0;  // value of .nv.reservedSmem.cap, where the cubin has it
   std::string kernels;
@@ -434,7 +422,6 @@ std::optional<KernelResources> resources_from_cubin(const std::string& b,
   if (sym_index < 0)
     throw Error("resources_from_cubin: no kernel '" + kernel_name + "' in the cubin (functions: " +
                 kernels + ")");
-
   KernelResources r;
   bool have_regs = false, reserved_window = false;
   uint64_t shared_section = 0;
@@ -465,13 +452,13 @@ std::optional<KernelResources> resources_from_cubin(const std::string& b,
 // RAII handles. Deleters ignore errors: they must not throw, and at process exit the driver may
 // already be shutting down.
 namespace detail {
-void ModuleUnload::operator()(CUmodule m) const noexcept { driver_state().api.cuModuleUnload(m); }
-void StreamDestroy::operator()(CUstream s) const noexcept { driver_state().api.cuStreamDestroy(s); }
-void GraphDestroy::operator()(CUgraph g) const noexcept { driver_state().api.cuGraphDestroy(g); }
-void GraphExecDestroy::operator()(CUgraphExec g) const noexcept {
-  driver_state().api.cuGraphExecDestroy(g);
-}
-void EventDestroy::operator()(CUevent e) const noexcept { driver_state().api.cuEventDestroy(e); }
+#define OPTFUSE_DELETER(Cls, T, fn) \
+  void Cls::operator()(T h) const noexcept { driver_state().api.fn(h); }
+OPTFUSE_DELETER(ModuleUnload, CUmodule, cuModuleUnload)
+OPTFUSE_DELETER(StreamDestroy, CUstream, cuStreamDestroy)
+OPTFUSE_DELETER(GraphDestroy, CUgraph, cuGraphDestroy)
+OPTFUSE_DELETER(GraphExecDestroy, CUgraphExec, cuGraphExecDestroy)
+OPTFUSE_DELETER(EventDestroy, CUevent, cuEventDestroy)
 }  // namespace detail
 
 Module::Module(const std::string& cubin) {
@@ -487,13 +474,11 @@ Module::Module(const std::string& cubin) {
   cu_check(r, "cuModuleLoadData");
   mod_.reset(m);
 }
-
 CUfunction Module::function(const std::string& name) const {
   CUfunction f = nullptr;
   CU_CTX("kernel '" + name + "'", cuModuleGetFunction, &f, mod_.get(), name.c_str());
   return f;
 }
-
 KernelResources Module::resources(const std::string& name) const {
   CUfunction f = function(name);
   KernelResources r;
@@ -503,7 +488,6 @@ KernelResources Module::resources(const std::string& name) const {
   CU(cuFuncGetAttribute, &r.max_threads_per_block, CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, f);
   return r;
 }
-
 static bool capturing(CUstream stream) {
   CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
   CU(cuStreamIsCapturing, stream, &st);
@@ -534,15 +518,6 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : size_(bytes) {
   CU_CTX(std::to_string(bytes) + " bytes", cuMemAlloc, &ptr_, bytes);
 }
 DeviceBuffer::~DeviceBuffer() { if (ptr_) driver_state().api.cuMemFree(ptr_); }
-DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
-    : ptr_(std::exchange(o.ptr_, 0)), size_(std::exchange(o.size_, 0)) {}
-DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
-  DeviceBuffer tmp(std::move(o));  // our old allocation goes with tmp, now
-  std::swap(ptr_, tmp.ptr_);
-  std::swap(size_, tmp.size_);
-  return *this;
-}
-
 void copy_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   if (bytes == 0) return;
   ensure_context();
@@ -556,20 +531,17 @@ void copy_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream str
       type == CU_MEMORYTYPE_HOST && !capturing(stream))
     CU(cuStreamSynchronize, stream);
 }
-
 void copy_to_host(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   if (bytes == 0) return;
   ensure_context();
   CU_CTX(std::to_string(bytes) + " bytes", cuMemcpyDtoHAsync, dst, src, bytes, stream);
   CU(cuStreamSynchronize, stream);
 }
-
 void memset_zero(CUdeviceptr dst, size_t bytes, CUstream stream) {
   if (bytes == 0) return;
   ensure_context();
   CU_CTX(std::to_string(bytes) + " bytes", cuMemsetD8Async, dst, 0, bytes, stream);
 }
-
 void stream_synchronize(CUstream stream) {
   ensure_context();
   CU(cuStreamSynchronize, stream);
@@ -581,13 +553,11 @@ Stream::Stream() {
   CU(cuStreamCreate, &s, CU_STREAM_NON_BLOCKING);
   s_.reset(s);
 }
-
 void begin_capture(CUstream stream) {
   if (!stream) throw Error("begin_capture: the legacy default stream cannot be captured; use a Stream");
   ensure_context();
   CU(cuStreamBeginCapture, stream, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
 }
-
 Graph end_capture(CUstream stream) {
   ensure_context();
   Graph g;
@@ -604,7 +574,6 @@ Graph end_capture(CUstream stream) {
   g.exec_.reset(exec);
   return g;
 }
-
 void Graph::launch(CUstream stream) const {
   if (!exec_) throw Error("Graph::launch: empty graph");
   ensure_context();
@@ -627,5 +596,4 @@ float EventTimer::elapsed_ms() const {
   CU(cuEventElapsedTime, &ms, start_.get(), stop_.get());
   return ms;
 }
-
 }  // namespace optfuse::cuda
