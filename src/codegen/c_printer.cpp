@@ -73,6 +73,29 @@ OF_FN float of_round_f16(float x) { return of_f16_to_float(of_float_to_f16(x)); 
 OF_FN double of_round_f16(double x) { return of_f16_to_float(of_float_to_f16((float)x)); }
 )";
 
+// The chain's text without hyperparameter values: "scale_by_adam(b1, b2, eps, amsgrad=true)".
+// Values are run-time data (the scalar table), never code; keeping them out of the source means
+// that chains differing only in their values (adamw(lr=1e-3) vs adamw(lr=3e-4)) generate the same
+// text and so share one compiled object in the disk cache instead of compiling again.
+std::string chain_structure(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (text[i] == '=') {
+      size_t j = i + 1;
+      while (j < text.size() && (std::isalnum(static_cast<unsigned char>(text[j])) || text[j] == '.' ||
+                                 text[j] == '-' || text[j] == '+'))
+        ++j;
+      std::string value = text.substr(i + 1, j - i - 1);
+      if (value != "true" && value != "false") {  // a number (also inf, nan): dropped with its '='
+        i = j - 1;
+        continue;
+      }
+    }
+    out += text[i];
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::string> role_names(const Plan& plan) {
@@ -162,7 +185,8 @@ std::string CPrinter::expr(NodeId id, bool element) const {
 
 std::string CPrinter::header_comment() const {
   std::ostringstream s;
-  s << "// optfuse generated source (" << d_.name << " backend)\n// chain: " << plan_.program.chain_text << "\n";
+  s << "// optfuse generated source (" << d_.name << " backend)\n// chain: " << chain_structure(plan_.program.chain_text)
+    << "\n";
   for (size_t i = 0; i < plan_.phases.size(); ++i) {
     const ElementPhase& ph = plan_.phases[i];
     s << "// phase " << i << ": " << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update") << ", "

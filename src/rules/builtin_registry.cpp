@@ -194,8 +194,30 @@ Chain make_builtin(const std::string& name, const Args& args) {
   } catch (const Error& e) {
     std::string msg = e.what();
     if (msg.rfind(name + ":", 0) == 0) throw;
+    // A rule named like the builtin ("rule scale: factor=...") needs its name only once.
+    if (msg.rfind("rule " + name + ": ", 0) == 0) msg = msg.substr(5 + name.size() + 2);
     throw Error(name + ": " + msg);
   }
+}
+
+// Where an error of make_builtin(call.name, args) belongs: at the first argument that produces the
+// same error on its own (an unknown name, a value of the wrong kind or out of range, an option that
+// conflicts with the defaults), else at the call (a missing argument, a conflict between two).
+static size_t argument_at_fault(const spec::Call& call, const Args& args, const std::string& message) {
+  const Builtin& b = lookup(call.name);
+  size_t positional = 0;
+  for (const auto& a : call.args) {
+    std::string key = a.keyword.empty() ? b.params.at(positional++).name : a.keyword;
+    Args alone{{key, args.at(key)}};
+    for (const Param& p : b.params)  // required arguments come along, so their absence is not blamed
+      if (p.required && args.count(p.name)) alone[p.name] = args.at(p.name);
+    try {
+      make_builtin(call.name, alone);
+    } catch (const Error& e) {
+      if (message == e.what()) return a.pos;
+    }
+  }
+  return call.pos;
 }
 
 // SPEC text: a call of a built-in name, or chain(...) of such calls.
@@ -224,8 +246,11 @@ static Chain chain_from_call(const std::string& text, const spec::Call& call) {
     std::string key = a.keyword;
     if (key.empty()) {
       if (positional >= order.size())
-        throw Error("spec: " + call.name + " takes at most " + std::to_string(order.size()) +
-                    " positional arguments" + where(a.pos));
+        throw Error("spec: " + call.name +
+                    (order.empty() ? std::string(" takes no arguments")
+                                   : " takes at most " + std::to_string(order.size()) + " positional argument" +
+                                         (order.size() == 1 ? "" : "s")) +
+                    where(a.pos));
       key = order[positional++];
     }
     const spec::Value& v = a.value;
@@ -249,7 +274,7 @@ static Chain chain_from_call(const std::string& text, const spec::Call& call) {
   try {
     return make_builtin(call.name, args);
   } catch (const Error& e) {
-    throw Error(std::string("spec: ") + e.what() + where(call.pos));
+    throw Error(std::string("spec: ") + e.what() + where(argument_at_fault(call, args, e.what())));
   }
 }
 

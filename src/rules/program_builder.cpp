@@ -159,9 +159,30 @@ Expr RuleBuilder::hyper(const std::string& name) {
   return e;
 }
 
+// Whether a value differs per element: it reads a param, grad or state without a reduction between.
+static bool is_element_value(const Graph& g, NodeId id) {
+  std::vector<NodeId> stack{id};
+  std::vector<bool> seen(g.size(), false);
+  while (!stack.empty()) {
+    NodeId n = stack.back();
+    stack.pop_back();
+    if (seen[static_cast<size_t>(n)]) continue;
+    seen[static_cast<size_t>(n)] = true;
+    const Node& x = g.node(n);
+    if (x.op == Op::Param || x.op == Op::Grad || x.op == Op::State) return true;
+    if (op_is_reduction(x.op)) continue;
+    for (int k = 0; k < op_arity(x.op); ++k) stack.push_back(x.in[k]);
+  }
+  return false;
+}
+
 void RuleBuilder::skip_step_if(Expr cond) {
   if (!cond.valid() || cond.graph != &p_.graph)
     throw Error("rule " + rule_.name() + ": skip_step_if got an expression of another graph");
+  // Checked here, not only by the planner, so that the error names the rule (build_program's contract).
+  if (is_element_value(p_.graph, cond.id))
+    throw Error("rule " + rule_.name() + ": skip_step_if needs a uniform condition (one value for the whole "
+                "step), not a per-element one; reduce it first, e.g. with any_nonfinite()");
   p_.skip = p_.skip == kNoNode ? cond.id : (Expr{&p_.graph, p_.skip} || cond).id;
 }
 
