@@ -1,0 +1,12 @@
+"""optfuse's PyTorch front end: drop-in fused optimizers (torch.optim.Optimizer subclasses with
+torch's arguments, param_groups and state_dict format), Fused for any optfuse chain, and fuse() to
+turn a running torch optimizer into its fused equivalent.
+
+    import optfuse.torch
+    opt = optfuse.torch.AdamW(model.parameters(), lr=3e-4)
+"""
+from ._base import FusedOptimizer, OptfuseError  # noqa: F401
+from ._fused import Fused, fuse  # noqa: F401
+from ._optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop  # noqa: F401
+
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "Fused", "fuse", "FusedOptimizer"]

@@ -1,0 +1,289 @@
+"""The torch.optim.Optimizer subclass every optfuse.torch optimizer derives from.
+
+Per step, the common case costs one C++ pass over the parameters (is every .grad the tensor the
+table was built from?), a comparison of each group's hyperparameters with the values last pushed,
+and one call into the core per engine. Anything else (new parameters, gradients appearing or
+disappearing, a structural option changing, load_state_dict) marks the optimizer dirty and the next
+step rebuilds the tables.
+
+Subclasses describe how torch's group options map onto optfuse chains:
+  _structure(group) -> hashable key: groups with different keys get different chains (engines)
+  _features(group)  -> set of optional rules the group needs (e.g. {"weight_decay"})
+  _make_chain(key, features, groups) -> the chain (without unscale_by_grad_scale)
+  _hypers(group)    -> {optfuse hyperparameter name: float}
+  _sig_keys         -> group keys whose change must be noticed (hyperparameters and structure)
+"""
+import operator
+
+import torch
+import torch.optim.optimizer as _torch_opt
+
+from .. import _core
+from ._engine import Engine, dtype_code
+
+OptfuseError = _core.OptfuseError
+
+
+def _scalar_dtype():
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _plain(v):
+    return float(v) if torch.is_tensor(v) else v
+
+
+def _is_dense(t):
+    """Non-overlapping and without gaps (contiguous, channels_last, any permutation): the kernel may
+    then walk its memory linearly, provided every role of the parameter has the same strides."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expect = 1
+    for stride, size in dims:
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of the drop-in optimizers: torch's param_groups, state and state_dict format; one fused
+    optfuse kernel per (chain, device) does the math."""
+
+    _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf: no unscale pass
+    _step_in_state = True              # torch's format keeps state["step"] per parameter
+    _sig_keys = ("lr",)
+
+    def __init__(self, params, defaults):
+        self._init_private()
+        super().__init__(params, defaults)
+
+    def _init_private(self):
+        self._of_dirty = True
+        self._engines = {}
+        self._watch = None
+        self._steps = {}
+        self._sigs = []
+        self._keys = []
+        self._features_by_key = {}
+        self._copies = []
+        self._tensor_hypers = False
+        keys = self._sig_keys
+        if len(keys) > 1:
+            self._sig_get = operator.itemgetter(*keys)
+        else:
+            self._sig_get = (lambda g, k=keys[0]: (g[k],)) if keys else (lambda g: ())
+
+    def __setstate__(self, state):
+        # torch pickles only defaults, state and param_groups; after unpickling the tables are rebuilt
+        super().__setstate__(state)
+        if "_engines" not in self.__dict__:
+            self._init_private()
+        else:
+            self._of_dirty = True
+
+    # --- subclass interface (see module docstring)
+    def _structure(self, group):
+        return ()
+
+    def _features(self, group):
+        return frozenset()
+
+    def _make_chain(self, key, features, groups):
+        raise NotImplementedError
+
+    def _hypers(self, group):
+        return {"lr": float(group["lr"])}
+
+    def _initial_step(self, state):
+        """Step count of a parameter whose state has no 'step' (a format without it, e.g. SGD)."""
+        return 0
+
+    def _adjust_step(self, state, step, engine):
+        return step
+
+    # --- torch.optim.Optimizer API
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            if torch.is_complex(p):
+                raise OptfuseError(f"{type(self).__name__}: complex parameters are not supported (shape {tuple(p.shape)})")
+            if dtype_code(p) is None:
+                raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
+                                   f"{p.dtype} (shape {tuple(p.shape)})")
+        if group.get("differentiable", False):
+            raise OptfuseError(f"{type(self).__name__}: differentiable=True is not supported (optfuse steps "
+                               "parameters in place, outside autograd)")
+        self._of_dirty = True
+
+    def state_dict(self):
+        self._sync_steps(write_state=True)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for e in self._engines.values():
+            e.params, e.groups, e.group_of, e.indices = [], [], [], []
+        self._steps = {}  # re-read from the loaded state
+        self._of_dirty = True
+
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        """One fused step. grad_scale / found_inf (one-element float32 tensors) default to the
+        attributes torch.amp.GradScaler sets on optimizers with _step_supports_amp_scaling."""
+        if (_torch_opt._global_optimizer_pre_hooks or _torch_opt._global_optimizer_post_hooks
+                or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
+                or torch.autograd.profiler._is_profiler_enabled):
+            return _step_with_hooks(self, closure, grad_scale=grad_scale, found_inf=found_inf)
+        return self._step_impl(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+    # torch wraps step() in a profiler range and hook calls (several microseconds); marked as
+    # already wrapped, step() takes that path only when hooks or the profiler are active.
+    step.hooked = True
+
+    def _step_impl(self, closure=None, *, grad_scale=None, found_inf=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if grad_scale is None:
+            grad_scale = getattr(self, "grad_scale", None)
+        if found_inf is None:
+            found_inf = getattr(self, "found_inf", None)
+        if self._of_dirty or not self._fresh():
+            self._rebuild()
+        for src, dst in self._copies:
+            dst.copy_(src)
+        for e in self._engines.values():
+            e.step(grad_scale, found_inf)
+        return loss
+
+    # --- internals
+    def _fresh(self):
+        """True when the tables are still right for this step (pushing changed hyperparameters)."""
+        groups = self.param_groups
+        if len(groups) != len(self._sigs):
+            return False
+        get = self._sig_get
+        for i, g in enumerate(groups):
+            sig = get(g)
+            if self._tensor_hypers:
+                sig = tuple(_plain(v) for v in sig)
+            if sig != self._sigs[i]:
+                if self._structure(g) != self._keys[i] or not self._features(g) <= self._engine_features(i):
+                    return False
+                hypers = self._hypers(g)
+                for e in self._engines.values():
+                    e.push_hypers(i, hypers)
+                self._sigs[i] = sig
+        r = self._watch.check()
+        if r == 0:
+            return True
+        if r == 1 and not self._copies:
+            for e in self._engines.values():
+                e.core._take_grads(self._watch)
+            return True
+        return False
+
+    def _engine_features(self, tg):
+        return self._features_by_key.get(self._keys[tg], frozenset())
+
+    def _sync_steps(self, write_state=False):
+        for e in self._engines.values():
+            for p, count in e.steps():
+                self._steps[p] = count
+        if write_state and self._step_in_state:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    st = self.state.get(p)
+                    if st and p in self._steps:
+                        st["step"] = torch.tensor(float(self._steps[p]), dtype=_scalar_dtype())
+
+    def _step_of(self, p):
+        if p not in self._steps:
+            st = self.state.get(p) or {}
+            self._steps[p] = int(_plain(st["step"])) if "step" in st else self._initial_step(st)
+        return self._steps[p]
+
+    def _rebuild(self):
+        self._sync_steps()
+        groups = self.param_groups
+        self._keys = [self._structure(g) for g in groups]
+        self._features_by_key = {}
+        for k, g in zip(self._keys, groups):
+            self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(g)
+        params = [p for g in groups for p in g["params"]]
+        self._watch = _core._GradWatch(params)
+        grads = self._watch.snapshot()
+        buckets = {}
+        w = 0
+        for tg, g in enumerate(groups):
+            for p in g["params"]:
+                grad = grads[w]
+                if grad is not None:
+                    if grad.is_sparse:
+                        raise OptfuseError(f"{type(self).__name__}: sparse gradients are not supported "
+                                           f"(parameter of shape {tuple(p.shape)} in group {tg})")
+                    if not _is_dense(p):
+                        raise OptfuseError(f"{type(self).__name__}: parameter of shape {tuple(p.shape)} (group {tg}) "
+                                           f"overlaps itself or has gaps (strides {p.stride()}); optfuse needs "
+                                           "dense parameters")
+                    buckets.setdefault((self._keys[tg], p.device), []).append((p, grad, tg, w))
+                w += 1
+        engines, self._copies = {}, []
+        for (key, device), items in buckets.items():
+            feats = self._features_by_key[key]
+            chain = _with_unscale(self._make_chain(key, feats, [g for k, g in zip(self._keys, groups) if k == key]))
+            text = _core.chain_text(chain)
+            old = self._engines.get((key, device))
+            engine = old if old is not None and old.chain_text == text else Engine(chain, device)
+            engine.chain_text = text
+            entries = []
+            for p, grad, tg, w in items:
+                st = self.state[p]
+                step = self._adjust_step(st, self._step_of(p), engine)
+                self._steps[p] = step
+                states = self._states_for(p, st, engine)
+                entries.append((p, self._grad_for(p, grad), states, tg, step, w))
+            engine.build(entries, lambda tg: self._hypers(groups[tg]))
+            engines[(key, device)] = engine
+        self._engines = engines
+        sigs = [self._sig_get(g) for g in groups]
+        self._tensor_hypers = any(torch.is_tensor(v) for s in sigs for v in s)
+        self._sigs = [tuple(_plain(v) for v in s) if self._tensor_hypers else s for s in sigs]
+        self._of_dirty = False
+
+    def _states_for(self, p, st, engine):
+        if self._step_in_state and "step" not in st:
+            st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
+        out = []
+        for name, init in zip(engine.state_names, engine.state_inits):
+            t = st.get(name)
+            if t is None:
+                t = torch.full_like(p, init, memory_format=torch.preserve_format)
+            elif t.dtype != p.dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride():
+                fixed = torch.empty_like(p, memory_format=torch.preserve_format)
+                fixed.copy_(t)
+                t = fixed
+            st[name] = t
+            out.append(t)
+        return out
+
+    def _grad_for(self, p, grad):
+        if grad.stride() == p.stride() or (grad.is_contiguous() and p.is_contiguous()):
+            return grad
+        # A gradient laid out unlike its parameter: step from a copy in the parameter's layout,
+        # refreshed before every step while this gradient tensor stays.
+        buf = torch.empty_like(p, memory_format=torch.preserve_format)
+        self._copies.append((grad, buf))
+        return buf
+
+
+_step_with_hooks = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step_impl)
+
+
+def _with_unscale(chain):
+    """Every torch-facing chain starts with unscale_by_grad_scale (a no-op without a GradScaler)."""
+    if chain and chain[0].name == "unscale_by_grad_scale":
+        return list(chain)
+    return _core.make_builtin("unscale_by_grad_scale") + list(chain)

@@ -1,0 +1,141 @@
+"""One compiled chain over the parameters of one device: the bridge between torch tensors and
+optfuse._core.Optimizer.
+
+torch keeps a step count per parameter, the core keeps one per group. An engine therefore runs
+*internal groups* keyed by (torch group index, step count): parameters of one torch group whose
+step counts agree share an internal group, so every parameter's step stays exact after
+add_param_group, load_state_dict, or steps on which some parameters had no gradient.
+"""
+import torch
+
+from .. import _core
+
+# optfuse DType codes (include/optfuse/dtype.h)
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def dtype_code(t):
+    return _DTYPE_CODES.get(t.dtype)
+
+
+def current_stream(device):
+    """The raw CUDA stream torch is using on `device`, as an int (0: the legacy default stream)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(device.index if device.index is not None else torch.cuda.current_device())
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class Engine:
+    """A core optimizer for one chain on one device, and the tensor table it steps."""
+
+    def __init__(self, chain, device):
+        self.device = device
+        self.backend = "cuda" if device.type == "cuda" else "cpu"
+        with _on_device(device):
+            self.core = _core.Optimizer(chain, self.backend, 1)
+        self.state_names = list(self.core.state_names)
+        self.state_inits = [init for _, _, init in self.core.state_specs]
+        self.hyper_names = set(self.core.hyper_short_names) | set(self.core.hyper_names)
+        self.params = []    # parameters in table order
+        self.indices = []   # their slots in the optimizer's GradWatch
+        self.groups = []    # internal group -> (torch group index, step count when the table was built)
+        self.group_of = []  # per table entry: internal group
+        self.pushed = {}    # internal group -> {hyper name: value} last pushed
+
+    def build(self, entries, hypers_of_torch_group):
+        """entries: (param, grad, states, torch group index, step, watch index) per parameter that
+        steps; grad and states are tensors of the parameter's layout, already checked."""
+        keys = {}
+        self.groups, self.group_of, self.params, self.indices = [], [], [], []
+        for p, _, _, tg, step, _ in entries:
+            key = (tg, step)
+            if key not in keys:
+                keys[key] = len(self.groups)
+                self.groups.append(key)
+        while self.core.num_groups < max(1, len(self.groups)):
+            self.core.add_group()
+        self.pushed = {}
+        for gi, (tg, step) in enumerate(self.groups):
+            self.core.set_step_count(gi, step)
+            self._push(gi, hypers_of_torch_group(tg))
+        ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups = [], [], [], [], [], []
+        for p, g, states, tg, step, widx in entries:
+            gi = keys[(tg, step)]
+            self.params.append(p)
+            self.indices.append(widx)
+            self.group_of.append(gi)
+            ptrs_p.append(p.data_ptr())
+            ptrs_g.append(g.data_ptr())
+            ptrs_s.extend(s.data_ptr() for s in states)
+            numels.append(p.numel())
+            dtypes.append(_DTYPE_CODES[p.dtype])
+            groups.append(gi)
+        device_id = self.device.index if self.device.type == "cuda" else -1
+        self.core._set_tensors_raw(ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups,
+                                   -1 if device_id is None else device_id, self.indices)
+
+    def _push(self, gi, hypers):
+        done = self.pushed.setdefault(gi, {})
+        for name, value in hypers.items():
+            if name in self.hyper_names and done.get(name) != value:
+                self.core.set_hyper(gi, name, value)
+                done[name] = value
+
+    def push_hypers(self, tg, hypers):
+        """New hyperparameter values of torch group tg (an lr scheduler ran): set_hyper, never a recompile."""
+        for gi, (g, _) in enumerate(self.groups):
+            if g == tg:
+                self._push(gi, hypers)
+
+    def steps(self):
+        """Current step count of every parameter in the table (reads the device for CUDA)."""
+        counts = [self.core.step_count(gi) for gi in range(len(self.groups))]
+        return [(p, counts[gi]) for p, gi in zip(self.params, self.group_of)]
+
+    def step(self, grad_scale, found_inf):
+        if not self.params:
+            return
+        gs = _scalar_ptr(grad_scale, self.device)
+        fi = _scalar_ptr(found_inf, self.device)
+        if self.backend == "cuda":
+            with _on_device(self.device):
+                self.core._step_raw(gs[0], fi[0], current_stream(self.device))
+        else:
+            self.core._step_raw(gs[0], fi[0], 0)
+        # gs[1], fi[1] (the tensors behind the pointers) stay referenced until the launch is queued;
+        # a tensor freed after that is reused only by later work on the same stream.
+        return gs, fi
+
+
+def _scalar_ptr(t, device):
+    """(pointer, keep-alive) of a one-element float32 tensor on `device` (moved there if needed)."""
+    if t is None:
+        return 0, None
+    if not torch.is_tensor(t):
+        t = torch.tensor(float(t), dtype=torch.float32, device=device)
+    if t.numel() != 1:
+        raise _core.OptfuseError(f"grad_scale / found_inf must hold one value, got shape {tuple(t.shape)}")
+    if t.dtype != torch.float32 or t.device != device:
+        t = t.to(device=device, dtype=torch.float32, non_blocking=True)
+    return t.data_ptr(), t
+
+
+class _on_device:
+    """Makes `device` torch's current CUDA device for a block (the core uses the current context)."""
+
+    def __init__(self, device):
+        self.device = device
+        self.prev = None
+
+    def __enter__(self):
+        if self.device.type == "cuda" and self.device.index is not None:
+            cur = torch.cuda.current_device()
+            if cur != self.device.index:
+                self.prev = cur
+                torch.cuda.set_device(self.device.index)
+
+    def __exit__(self, *exc):
+        if self.prev is not None:
+            torch.cuda.set_device(self.prev)
+            self.prev = None

@@ -1,0 +1,91 @@
+"""optfuse.torch.Fused: any chain (built-in or rules written in Python) as a torch optimizer, and
+optfuse.torch.fuse: a running torch.optim optimizer turned into its fused equivalent."""
+import torch
+
+from .. import _core
+from ._base import FusedOptimizer, OptfuseError
+from ._optimizers import SGD, Adagrad, Adam, AdamW, RMSprop
+
+
+class Fused(FusedOptimizer):
+    """A torch optimizer for any optfuse chain.
+
+        chain = optfuse.chain(my_rule, optfuse.make_builtin("scale_by_learning_rate", lr=1e-2))
+        opt = optfuse.torch.Fused(chain, model.parameters())
+
+    Each hyperparameter of the chain is a param_groups key, under its short name ("lr") or, where a
+    short name is ambiguous, its qualified name ("trace#2.momentum"); lr schedulers and group dicts
+    set them like any torch optimizer's. State per parameter uses the chain's state names.
+    """
+
+    def __init__(self, chain, params, **hypers):
+        self._chain = list(_flatten(chain))
+        probe = _core.Optimizer(self._chain, "reference", 1)  # names and defaults, without compiling
+        short, qual = probe.hyper_short_names, probe.hyper_names
+        names = [s if short.count(s) == 1 else q for s, q in zip(short, qual)]
+        defaults = {n: probe.hyper(0, q) for n, q in zip(names, qual)}
+        unknown = set(hypers) - set(defaults)
+        if unknown:
+            raise OptfuseError(f"Fused: unknown hyperparameter(s) {sorted(unknown)}; this chain has {names}")
+        defaults.update({k: float(v) for k, v in hypers.items()})
+        self._names = dict(zip(names, qual))
+        self._sig_keys = tuple(names)
+        state_short = [s for s, _, _ in probe.state_specs]
+        self._state_key = {q: (s if state_short.count(s) == 1 else q) for s, q, _ in probe.state_specs}
+        super().__init__(params, defaults)
+
+    def _make_chain(self, key, features, groups):
+        return self._chain
+
+    def _hypers(self, g):
+        return {qual: float(g[name]) for name, qual in self._names.items()}
+
+    def _states_for(self, p, st, engine):
+        # the engine lists short names; rename to this chain's unique keys for the state dict
+        engine.state_names = [self._state_key.get(q, s) for s, q, _ in engine.core.state_specs]
+        return super()._states_for(p, st, engine)
+
+
+def _flatten(chain):
+    if isinstance(chain, str):
+        yield from _core.parse_chain(chain)
+    elif isinstance(chain, _core.Rule):
+        yield chain
+    else:
+        for c in chain:
+            yield from _flatten(c)
+
+
+_FUSABLE = {
+    torch.optim.SGD: SGD,
+    torch.optim.Adam: Adam,
+    torch.optim.AdamW: AdamW,
+    torch.optim.Adagrad: Adagrad,
+    torch.optim.RMSprop: RMSprop,
+}
+
+
+def fuse(opt):
+    """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad or RMSprop, mid-training:
+    the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
+    the same state tensors (taken over, not copied: keep stepping the returned optimizer only)."""
+    cls = _FUSABLE.get(type(opt))
+    if cls is None:
+        name = f"{type(opt).__module__}.{type(opt).__qualname__}"
+        raise OptfuseError(f"optfuse.torch.fuse: {name} is not supported (supported: torch.optim."
+                           + ", torch.optim.".join(c.__name__ for c in _FUSABLE) + ")")
+    for i, g in enumerate(opt.param_groups):
+        if g.get("differentiable"):
+            raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True, which optfuse does not support")
+        for p in g["params"]:
+            if torch.is_complex(p):
+                raise OptfuseError(f"optfuse.torch.fuse: group {i} has a complex parameter {tuple(p.shape)}, "
+                                   "which optfuse does not support")
+            if p.grad is not None and p.grad.is_sparse:
+                raise OptfuseError(f"optfuse.torch.fuse: group {i} has a sparse gradient {tuple(p.shape)}, "
+                                   "which optfuse does not support")
+    new = cls.__new__(cls)
+    FusedOptimizer.__init__(new, opt.param_groups, dict(opt.defaults))
+    for p, st in opt.state.items():
+        new.state[p] = dict(st)
+    return new

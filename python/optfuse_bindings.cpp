@@ -1,0 +1,803 @@
+// optfuse._core: the Python bindings of the C++ library (nanobind). No libtorch: arrays arrive
+// through DLPack (nb::ndarray: NumPy, torch, CuPy, ... on CPU or CUDA), or, for the torch front end
+// (optfuse/torch), as data pointers the Python side has already checked, so that rebuilding the
+// tensor table for thousands of tensors does not pay a DLPack export per tensor.
+//
+// Sections: errors; Expr and RuleBuilder (rules written in Python); Range, Rule, chains, built-ins;
+// plans and explain; Optimizer; GradWatch (the per-step check of the torch front end).
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <sstream>
+
+#include "codegen/cpu_source.h"
+#include "codegen/cuda_source.h"
+#include "optfuse/builtin_rules.h"
+#include "optfuse/error.h"
+#include "optfuse/ir.h"
+#include "optfuse/optimizer.h"
+#include "optfuse/plan.h"
+#include "optfuse/rule.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+using namespace optfuse;
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Errors: optfuse::BackendUnavailable -> optfuse.BackendUnavailable (RuntimeError),
+// any other optfuse::Error -> optfuse.OptfuseError (ValueError).
+
+PyObject* g_error = nullptr;
+PyObject* g_backend_unavailable = nullptr;
+
+void translate_errors(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const BackendUnavailable& e) {
+    PyErr_SetString(g_backend_unavailable, e.what());
+  } catch (const Error& e) {
+    PyErr_SetString(g_error, e.what());
+  }
+}
+
+std::string type_name_of(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+
+// ---------------------------------------------------------------------------------------------
+// Expr. A C++ Expr points into the graph of the program being built, which only exists while the
+// chain's update functions run. Python code can keep an Expr past that (in a global, a closure),
+// so every Python Expr carries a shared "live" flag that the builder clears when the update
+// function returns; using a dead Expr raises instead of touching freed memory.
+
+struct Live {
+  bool alive = true;
+};
+
+struct PyExpr {
+  Expr e;
+  std::shared_ptr<Live> live;
+};
+
+const PyExpr& checked(const PyExpr& x) {
+  if (!x.live || !x.live->alive || !x.e.valid())
+    throw Error("this optfuse.Expr belongs to a rule update function that has already returned; "
+                "expressions only live while the update function runs");
+  return x;
+}
+
+bool is_number(nb::handle h) { return PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()); }
+
+// An Expr or a number (made a constant of `like`'s graph).
+PyExpr lift(nb::handle h, const PyExpr& like, const char* what) {
+  if (nb::isinstance<PyExpr>(h)) {
+    const PyExpr& x = checked(nb::cast<const PyExpr&>(h));
+    if (x.e.graph != like.e.graph) throw Error(std::string(what) + ": expressions from different rule graphs were mixed");
+    return x;
+  }
+  if (is_number(h)) return PyExpr{constant(*like.e.graph, nb::cast<double>(h)), like.live};
+  throw nb::type_error((std::string(what) + ": expected an optfuse.Expr or a number, got " + type_name_of(h)).c_str());
+}
+
+// The first Expr among the arguments of a math function: it names the graph numbers join.
+const PyExpr& first_expr(const char* what, std::initializer_list<nb::handle> args) {
+  for (nb::handle h : args)
+    if (nb::isinstance<PyExpr>(h)) return checked(nb::cast<const PyExpr&>(h));
+  throw nb::type_error((std::string(what) + ": at least one argument must be an optfuse.Expr (numbers alone have no "
+                        "rule graph; use builder.constant(x))").c_str());
+}
+
+PyExpr wrap(Expr e, const PyExpr& like) { return PyExpr{e, like.live}; }
+
+template <class F>
+auto unary(const char* name, F f) {
+  return [name, f](nb::handle x) {
+    const PyExpr& a = first_expr(name, {x});
+    return wrap(f(a.e), a);
+  };
+}
+
+template <class F>
+auto binary(const char* name, F f) {
+  return [name, f](nb::handle x, nb::handle y) {
+    const PyExpr& like = first_expr(name, {x, y});
+    return wrap(f(lift(x, like, name).e, lift(y, like, name).e), like);
+  };
+}
+
+template <class F>
+auto ternary(const char* name, F f) {
+  return [name, f](nb::handle x, nb::handle y, nb::handle z) {
+    const PyExpr& like = first_expr(name, {x, y, z});
+    return wrap(f(lift(x, like, name).e, lift(y, like, name).e, lift(z, like, name).e), like);
+  };
+}
+
+// The builder handed to a Python update function; dead (like its Exprs) once the function returns.
+struct PyBuilder {
+  RuleBuilder* b;
+  std::shared_ptr<Live> live;
+  RuleBuilder& get() const {
+    if (!live->alive) throw Error("this optfuse.RuleBuilder is only usable inside the update function it was passed to");
+    return *b;
+  }
+  PyExpr out(Expr e) const { return PyExpr{e, live}; }
+};
+
+GlobalSlot parse_global(const std::string& name) {
+  if (name == "grad_scale") return kGradScale;
+  if (name == "found_inf") return kFoundInf;
+  throw Error("unknown global '" + name + "' (globals: grad_scale, found_inf)");
+}
+
+// Python callables live in std::function objects that the C++ side copies freely, possibly without
+// the GIL (the Optimizer constructor releases it): hold the callable through a shared_ptr whose
+// deleter takes the GIL, and take the GIL to call it.
+struct GilObjectDeleter {
+  void operator()(nb::object* o) const {
+    nb::gil_scoped_acquire gil;
+    delete o;
+  }
+};
+
+Rule::UpdateFn python_update_fn(const std::string& rule_name, nb::object fn) {
+  if (!PyCallable_Check(fn.ptr())) throw nb::type_error("Rule.update expects a callable taking an optfuse.RuleBuilder");
+  std::shared_ptr<nb::object> f(new nb::object(std::move(fn)), GilObjectDeleter{});
+  return [f, rule_name](RuleBuilder& b) -> Expr {
+    nb::gil_scoped_acquire gil;
+    auto live = std::make_shared<Live>();
+    struct Kill {  // the builder and every Expr made in the call die when it returns or raises
+      std::shared_ptr<Live> l;
+      ~Kill() { l->alive = false; }
+    } kill{live};
+    nb::object res = (*f)(PyBuilder{&b, live});
+    if (!nb::isinstance<PyExpr>(res))
+      throw Error("rule " + rule_name + ": the update function must return an optfuse.Expr, got " + type_name_of(res));
+    const PyExpr& out = checked(nb::cast<const PyExpr&>(res));
+    if (out.live != live) throw Error("rule " + rule_name + ": the update function returned an expression of another rule");
+    return out.e;
+  };
+}
+
+// ---------------------------------------------------------------------------------------------
+// Chains: a Python list of Rules (nested lists are flattened), a single Rule, or SPEC text.
+
+void append_chain(nb::handle h, Chain& out) {
+  if (nb::isinstance<nb::str>(h)) {
+    Chain c = parse_chain(nb::cast<std::string>(h));
+    out.insert(out.end(), c.begin(), c.end());
+  } else if (nb::isinstance<Rule>(h)) {
+    out.push_back(nb::cast<const Rule&>(h));
+  } else if (nb::isinstance<nb::list>(h) || nb::isinstance<nb::tuple>(h)) {
+    for (nb::handle item : h) append_chain(item, out);
+  } else {
+    throw nb::type_error(("a chain is a list of optfuse.Rule (or SPEC text), got " + type_name_of(h)).c_str());
+  }
+}
+
+Chain to_chain(nb::handle h) {
+  Chain c;
+  append_chain(h, c);
+  if (c.empty()) throw Error("a chain needs at least one rule");
+  return c;
+}
+
+Args to_args(const nb::kwargs& kw) {
+  Args args;
+  for (auto [k, v] : kw) {
+    std::string key = nb::cast<std::string>(k);
+    if (PyBool_Check(v.ptr())) {
+      args[key] = ArgValue(v.ptr() == Py_True);
+    } else if (is_number(v)) {
+      args[key] = ArgValue(nb::cast<double>(v));
+    } else if (nb::isinstance<nb::tuple>(v) || nb::isinstance<nb::list>(v)) {
+      std::vector<double> xs;
+      for (nb::handle x : v) {
+        if (!is_number(x) || PyBool_Check(x.ptr())) throw Error(key + " must be a tuple of numbers");
+        xs.push_back(nb::cast<double>(x));
+      }
+      args[key] = ArgValue(xs);
+    } else {
+      throw Error(key + " must be a number, a bool or a tuple of numbers, got " + type_name_of(v));
+    }
+  }
+  return args;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Plans and explain.
+
+std::string generate_source(const Plan& plan, const std::string& backend) {
+  if (backend == "cpu") return generate_cpu_source(plan);
+  if (backend == "cuda") return generate_cuda_source(plan);
+  throw Error("backend must be 'cpu' or 'cuda' for generated source, got '" + backend + "'");
+}
+
+// Exactly what `optfuse explain SPEC [--backend B] [--no-source]` prints (tools/explain_command.cpp).
+std::string explain_text(const Plan& plan, const std::string& backend, bool source) {
+  std::string src = generate_source(plan, backend);
+  std::ostringstream o;
+  o << "== chain\n" << plan.program.chain_text << "\n\n== passes\n";
+  for (const auto& line : plan.pass_log) o << "  " << line << "\n";
+  o << "\n== IR after passes\n" << print_ir(plan.program, &plan.kind) << "\n== plan\n" << plan.describe();
+  if (source) o << "\n== generated " << backend << " source\n" << src;
+  return o.str();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer. The C++ Optimizer keeps raw pointers; the wrapper keeps what owns the memory alive
+// (the DLPack arrays, or nothing for the raw path whose caller keeps its tensors) and checks that
+// every tensor lives where the backend runs.
+
+constexpr int kDevCPU = 1, kDevCUDA = 2, kDevCUDAManaged = 13;
+
+std::string describe_dtype(nb::dlpack::dtype t) {
+  const char* base = "?";
+  switch (static_cast<nb::dlpack::dtype_code>(t.code)) {
+    case nb::dlpack::dtype_code::Int: base = "int"; break;
+    case nb::dlpack::dtype_code::UInt: base = "uint"; break;
+    case nb::dlpack::dtype_code::Float: base = "float"; break;
+    case nb::dlpack::dtype_code::Bfloat: base = "bfloat"; break;
+    case nb::dlpack::dtype_code::Complex: base = "complex"; break;
+    case nb::dlpack::dtype_code::Bool: return "bool";
+    default: break;
+  }
+  return base + std::to_string(t.bits) + (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
+}
+
+std::optional<DType> to_dtype(nb::dlpack::dtype t) {
+  if (t.lanes != 1) return std::nullopt;
+  auto code = static_cast<nb::dlpack::dtype_code>(t.code);
+  if (code == nb::dlpack::dtype_code::Float && t.bits == 32) return DType::f32;
+  if (code == nb::dlpack::dtype_code::Float && t.bits == 16) return DType::f16;
+  if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return DType::bf16;
+  return std::nullopt;
+}
+
+std::string describe_shape(const nb::ndarray<nb::ro>& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+bool c_contiguous(const nb::ndarray<nb::ro>& a) {
+  if (a.size() == 0 || a.stride_ptr() == nullptr) return true;
+  int64_t expect = 1;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expect) return false;
+    expect *= static_cast<int64_t>(a.shape(i));
+  }
+  return true;
+}
+
+std::string device_text(int type, int id) {
+  if (type == kDevCPU) return "cpu";
+  if (type == kDevCUDA || type == kDevCUDAManaged) return "cuda:" + std::to_string(id);
+  return "DLPack device type " + std::to_string(type) + ":" + std::to_string(id);
+}
+
+class PyOptimizer {
+ public:
+  PyOptimizer(nb::handle chain, const std::string& backend, int groups) {
+    Chain c = to_chain(chain);
+    Backend b = parse_backend(backend);
+    nb::gil_scoped_release release;  // compiling can take a while; Python update functions re-take the GIL
+    opt_ = std::make_unique<Optimizer>(c, b, groups);
+  }
+
+  Optimizer& get() { return *opt_; }
+  bool on_cuda() const { return opt_->backend() == Backend::cuda; }
+
+  // (param, grad, [states], group) per tensor, each an array with DLPack.
+  void set_tensors(nb::handle items) {
+    const auto& states = opt_->plan().program.states;
+    std::vector<TensorRef> refs;
+    std::vector<nb::object> keep;
+    int dev_id = -1;
+    size_t t = 0;
+    for (nb::handle item : items) {
+      std::string where = "tensor " + std::to_string(t);
+      if (!nb::isinstance<nb::tuple>(item) && !nb::isinstance<nb::list>(item))
+        throw Error(where + ": expected a tuple (param, grad, [states], group), got " + type_name_of(item));
+      size_t n = nb::len(item);
+      if (n != 3 && n != 4) throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
+      TensorRef r;
+      nb::ndarray<nb::ro> param = array(item[0], where + ": param", true, keep);
+      r.param = buffer(param, where + ": param", param, dev_id);
+      r.grad = buffer(array(item[1], where + ": grad", false, keep), where + ": grad", param, dev_id);
+      nb::handle st = item[2];
+      if (!nb::isinstance<nb::tuple>(st) && !nb::isinstance<nb::list>(st))
+        throw Error(where + ": states must be a list of arrays, got " + type_name_of(st));
+      if (nb::len(st) != states.size())
+        throw Error(where + ": " + std::to_string(nb::len(st)) + " state arrays given but the chain has " +
+                    std::to_string(states.size()) + state_list());
+      size_t s = 0;
+      for (nb::handle a : st) {
+        std::string w = where + ": state " + states[s++].qualified;
+        r.states.push_back(buffer(array(a, w, true, keep), w, param, dev_id));
+      }
+      r.group = n == 4 ? nb::cast<int>(item[3]) : 0;
+      refs.push_back(r);
+      ++t;
+    }
+    opt_->set_tensors(refs);  // validates groups, counts; changes nothing on error
+    keep_ = std::move(keep);
+    device_id_ = dev_id;
+  }
+
+  // The torch front end's path: pointers checked on the Python side (contiguous, dtype, device,
+  // sizes), which keeps the tensors alive. states holds num_states pointers per tensor.
+  void set_tensors_raw(const std::vector<uint64_t>& params, const std::vector<uint64_t>& grads,
+                       const std::vector<uint64_t>& states, const std::vector<int64_t>& numels,
+                       const std::vector<int>& dtypes, const std::vector<int>& groups, int device_id,
+                       const std::vector<int64_t>& watch_indices) {
+    size_t n = params.size(), ns = opt_->plan().program.states.size();
+    if (grads.size() != n || numels.size() != n || dtypes.size() != n || groups.size() != n || states.size() != n * ns ||
+        (!watch_indices.empty() && watch_indices.size() != n))
+      throw Error("_set_tensors_raw: inconsistent list lengths");
+    std::vector<TensorRef> refs(n);
+    for (size_t i = 0; i < n; ++i) {
+      DType d = static_cast<DType>(dtypes[i]);
+      refs[i].param = {reinterpret_cast<void*>(params[i]), numels[i], d};
+      refs[i].grad = {reinterpret_cast<void*>(grads[i]), numels[i], d};
+      for (size_t s = 0; s < ns; ++s) refs[i].states.push_back({reinterpret_cast<void*>(states[i * ns + s]), numels[i], d});
+      refs[i].group = groups[i];
+    }
+    opt_->set_tensors(refs);
+    keep_.clear();
+    device_id_ = device_id;
+    watch_indices_ = watch_indices;
+  }
+
+  // Grad pointers of the table's tensors from a GradWatch (watch_indices[k]: the watch slot of
+  // tensor k, given to set_tensors_raw).
+  // Rebuilds the table only when a pointer moved.
+  bool take_grads(const std::vector<uint64_t>& ptrs) {
+    const std::vector<int64_t>& indices = watch_indices_;
+    const std::vector<TensorRef>& cur = opt_->tensors();
+    if (indices.size() != cur.size()) throw Error("_take_grads: the index list does not match the tensor table");
+    bool moved = false;
+    for (size_t k = 0; k < cur.size() && !moved; ++k)
+      moved = reinterpret_cast<uint64_t>(cur[k].grad.data) != ptrs.at(static_cast<size_t>(indices[k]));
+    if (!moved) return false;
+    std::vector<TensorRef> refs = cur;
+    for (size_t k = 0; k < refs.size(); ++k) refs[k].grad.data = reinterpret_cast<void*>(ptrs[static_cast<size_t>(indices[k])]);
+    opt_->set_tensors(refs);
+    return true;
+  }
+
+  // grad_scale / found_inf: None, a one-element float32 array on the backend's device, or (host
+  // backends only) a Python number.
+  void step(nb::handle grad_scale, nb::handle found_inf, nb::handle stream) {
+    StepInputs in;
+    in.grad_scale = scalar(grad_scale, "grad_scale", scale_value_);
+    in.found_inf = scalar(found_inf, "found_inf", inf_value_);
+    if (!stream.is_none()) {
+      if (!on_cuda()) throw Error("step(stream=...) is for the cuda backend");
+      in.stream = reinterpret_cast<void*>(nb::cast<uint64_t>(stream));
+    }
+    nb::gil_scoped_release release;
+    opt_->step(in);
+  }
+
+  void step_raw(uint64_t grad_scale, uint64_t found_inf, uint64_t stream) {
+    StepInputs in;
+    in.grad_scale = reinterpret_cast<const float*>(grad_scale);
+    in.found_inf = reinterpret_cast<const float*>(found_inf);
+    in.stream = reinterpret_cast<void*>(stream);
+    nb::gil_scoped_release release;
+    opt_->step(in);
+  }
+
+  int device_id() const { return device_id_; }
+
+ private:
+  std::string state_list() const {
+    std::string s;
+    for (const auto& st : opt_->plan().program.states) s += (s.empty() ? " (" : ", ") + st.qualified;
+    return s.empty() ? "" : s + ")";
+  }
+
+  nb::ndarray<nb::ro> array(nb::handle h, const std::string& what, bool writable, std::vector<nb::object>& keep) {
+    nb::ndarray<nb::ro> ro;
+    if (!nb::try_cast(h, ro, false))
+      throw Error(what + ": expected an array with DLPack or the buffer protocol (NumPy array, torch tensor), got " + type_name_of(h));
+    if (writable) {
+      nb::ndarray<> rw;
+      if (!nb::try_cast(h, rw, false)) throw Error(what + " is read-only; the optimizer writes it in place");
+    }
+    keep.push_back(nb::borrow(h));
+    return ro;
+  }
+
+  Buffer buffer(const nb::ndarray<nb::ro>& a, const std::string& what, const nb::ndarray<nb::ro>& param, int& dev_id) {
+    std::optional<DType> d = to_dtype(a.dtype());
+    if (!d) throw Error(what + " has dtype " + describe_dtype(a.dtype()) + "; optfuse supports float32, float16 and bfloat16");
+    if (!c_contiguous(a))
+      throw Error(what + " is not contiguous (the fused kernel walks memory linearly); pass a contiguous array "
+                  "(torch: .contiguous(), NumPy: np.ascontiguousarray)");
+    bool cuda_mem = a.device_type() == kDevCUDA || a.device_type() == kDevCUDAManaged;
+    if (on_cuda() && !cuda_mem)
+      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but the backend is cuda");
+    if (!on_cuda() && a.device_type() != kDevCPU)
+      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but the backend is " +
+                  backend_name(opt_->backend()) + " (host memory only)");
+    int id = a.device_type() == kDevCPU ? -1 : a.device_id();
+    if (dev_id == -1 && id != -1) dev_id = id;
+    if (id != dev_id)
+      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but other tensors are on cuda:" +
+                  std::to_string(dev_id) + "; one optimizer steps tensors of one device");
+    if (a.size() != param.size())
+      throw Error(what + " has shape " + describe_shape(a) + " (" + std::to_string(a.size()) +
+                  " elements) but the parameter has shape " + describe_shape(param) + " (" + std::to_string(param.size()) + ")");
+    std::optional<DType> pd = to_dtype(param.dtype());
+    if (pd && *pd != *d) throw Error(what + " is " + dtype_name(*d) + " but the parameter is " + dtype_name(*pd));
+    return Buffer{const_cast<void*>(static_cast<const void*>(a.data())), static_cast<int64_t>(a.size()), *d};
+  }
+
+  const float* scalar(nb::handle h, const char* what, float& host_value) {
+    if (h.is_none()) return nullptr;
+    if (is_number(h)) {
+      if (on_cuda()) throw Error(std::string(what) + " must be a one-element float32 CUDA tensor for the cuda backend");
+      host_value = static_cast<float>(nb::cast<double>(h));
+      return &host_value;
+    }
+    nb::ndarray<nb::ro> a;
+    if (!nb::try_cast(h, a, false)) throw Error(std::string(what) + ": expected None, a number or a one-element float32 array, got " + type_name_of(h));
+    if (a.size() != 1 || to_dtype(a.dtype()) != DType::f32)
+      throw Error(std::string(what) + " must hold exactly one float32 value, got " + describe_dtype(a.dtype()) + " of shape " + describe_shape(a));
+    bool cuda_mem = a.device_type() == kDevCUDA || a.device_type() == kDevCUDAManaged;
+    if (on_cuda() != cuda_mem)
+      throw Error(std::string(what) + " is on " + device_text(a.device_type(), a.device_id()) + " but the backend is " +
+                  backend_name(opt_->backend()));
+    return static_cast<const float*>(a.data());
+  }
+
+  std::unique_ptr<Optimizer> opt_;
+  std::vector<nb::object> keep_;
+  std::vector<int64_t> watch_indices_;
+  int device_id_ = -1;
+  float scale_value_ = 1, inf_value_ = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// GradWatch: the torch front end's per-step question "are the gradients the tensors the table was
+// built from?", answered in C++ over the parameter objects. It remembers each parameter's .grad
+// through a weak reference (a strong one would keep freed gradients alive across zero_grad) and
+// its data pointer.
+//   check() -> 0: every .grad is the very object of last time (None stays None): nothing to do
+//              1: some .grad objects are new but every parameter that had a gradient still has one
+//                 and none had one before; new grads are contiguous; pointers() holds their data
+//                 pointers (torch itself guarantees dtype, device and shape of .grad match the param)
+//              2: the set of parameters with gradients changed, or a new gradient is not
+//                 contiguous: the caller rebuilds (grads(), then snapshot()).
+
+class GradWatch {
+ public:
+  explicit GradWatch(std::vector<nb::object> params) : params_(std::move(params)) {
+    refs_.resize(params_.size());
+    ptrs_.assign(params_.size(), 0);
+    has_.assign(params_.size(), false);
+    name_grad_ = nb::steal(PyUnicode_InternFromString("grad"));
+    name_data_ptr_ = nb::steal(PyUnicode_InternFromString("data_ptr"));
+    name_is_contiguous_ = nb::steal(PyUnicode_InternFromString("is_contiguous"));
+    snapshot();
+  }
+
+  int check() {
+    int result = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      PyObject* g = get_grad(params_[i].ptr());
+      if (!g) throw nb::python_error();
+      nb::object grad = nb::steal(g);
+      bool has = g != Py_None;
+      if (has != has_[i]) return 2;
+      if (!has || current(i) == g) continue;
+      // A new gradient tensor of a parameter that had one: read its pointer, check its layout.
+      if (!nb::cast<bool>(grad.attr(name_is_contiguous_)())) return 2;
+      ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)());
+      refs_[i] = weak(grad);
+      result = 1;
+    }
+    return result;
+  }
+
+  // Records every parameter's current .grad; returns them (None where absent).
+  nb::list snapshot() {
+    nb::list out;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      nb::object grad = params_[i].attr(name_grad_);
+      has_[i] = !grad.is_none();
+      refs_[i] = has_[i] ? weak(grad) : nb::object();
+      ptrs_[i] = 0;
+      if (has_[i]) {
+        try {
+          ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)());
+        } catch (nb::python_error&) {  // e.g. a sparse gradient: the caller reports it by name
+        }
+      }
+      out.append(grad);
+    }
+    return out;
+  }
+
+  const std::vector<uint64_t>& pointers() const { return ptrs_; }
+  size_t size() const { return params_.size(); }
+
+ private:
+  PyObject* current(size_t i) const {
+    if (!refs_[i].is_valid()) return nullptr;
+    PyObject* o = PyWeakref_GetObject(refs_[i].ptr());  // borrowed; Py_None once the grad is gone
+    return o == Py_None ? nullptr : o;
+  }
+  // p.grad through the type's getset descriptor, found once per parameter type: skips the generic
+  // attribute lookup, which is a fair share of the per-parameter cost here.
+  PyObject* get_grad(PyObject* p) {
+    PyTypeObject* t = Py_TYPE(p);
+    if (t != cached_type_) {
+      PyObject* d = _PyType_Lookup(t, name_grad_.ptr());  // borrowed
+      getter_ = nullptr;
+      if (d && Py_TYPE(d) == &PyGetSetDescr_Type) getter_ = reinterpret_cast<PyGetSetDescrObject*>(d)->d_getset;
+      cached_type_ = t;
+    }
+    if (getter_ && getter_->get) return getter_->get(p, getter_->closure);
+    return PyObject_GetAttr(p, name_grad_.ptr());
+  }
+
+  static nb::object weak(nb::handle h) {
+    PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
+    if (!w) throw nb::python_error();
+    return nb::steal(w);
+  }
+
+  std::vector<nb::object> params_, refs_;
+  std::vector<uint64_t> ptrs_;
+  std::vector<bool> has_;
+  nb::object name_grad_, name_data_ptr_, name_is_contiguous_;
+  PyTypeObject* cached_type_ = nullptr;
+  PyGetSetDef* getter_ = nullptr;
+};
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "optfuse C++ core (nanobind)";
+  // A Rule holds its Python update function inside a std::function, out of the garbage collector's
+  // sight, so a rule defined at module level (function -> module globals -> rule) stays alive until
+  // exit, and nanobind would report it as a leak. That is expected, not a reference-count bug.
+  nb::set_leak_warnings(false);
+
+  g_error = PyErr_NewExceptionWithDoc("optfuse.OptfuseError",
+                                      "Bad input to optfuse: an unknown name, an invalid value, mismatched tensors.",
+                                      PyExc_ValueError, nullptr);
+  g_backend_unavailable = PyErr_NewExceptionWithDoc(
+      "optfuse.BackendUnavailable", "The backend cannot run here (no GPU, driver, NVRTC or host compiler).",
+      PyExc_RuntimeError, nullptr);
+  m.attr("OptfuseError") = nb::handle(g_error);
+  m.attr("BackendUnavailable") = nb::handle(g_backend_unavailable);
+  nb::register_exception_translator(translate_errors, nullptr);
+
+  // --- Expr
+  nb::class_<PyExpr> expr(m, "Expr", "A value in a rule's math (element or uniform); made by a RuleBuilder.");
+  auto bin = [&](const char* name, const char* rname, Expr (*f)(Expr, Expr)) {
+    expr.def(name, [f](const PyExpr& a, nb::handle b) {
+      const PyExpr& x = checked(a);
+      return wrap(f(x.e, lift(b, x, "Expr").e), x);
+    }, nb::is_operator());
+    if (rname)
+      expr.def(rname, [f](const PyExpr& a, nb::handle b) {
+        const PyExpr& x = checked(a);
+        return wrap(f(lift(b, x, "Expr").e, x.e), x);
+      }, nb::is_operator());
+  };
+  bin("__add__", "__radd__", [](Expr a, Expr b) { return a + b; });
+  bin("__sub__", "__rsub__", [](Expr a, Expr b) { return a - b; });
+  bin("__mul__", "__rmul__", [](Expr a, Expr b) { return a * b; });
+  bin("__truediv__", "__rtruediv__", [](Expr a, Expr b) { return a / b; });
+  bin("__pow__", "__rpow__", [](Expr a, Expr b) { return pow(a, b); });
+  bin("__lt__", nullptr, [](Expr a, Expr b) { return a < b; });
+  bin("__le__", nullptr, [](Expr a, Expr b) { return a <= b; });
+  bin("__gt__", nullptr, [](Expr a, Expr b) { return a > b; });
+  bin("__ge__", nullptr, [](Expr a, Expr b) { return a >= b; });
+  bin("__eq__", nullptr, [](Expr a, Expr b) { return a == b; });
+  bin("__ne__", nullptr, [](Expr a, Expr b) { return a != b; });
+  bin("__and__", "__rand__", [](Expr a, Expr b) { return a && b; });
+  bin("__or__", "__ror__", [](Expr a, Expr b) { return a || b; });
+  expr.def("__neg__", [](const PyExpr& a) { return wrap(-checked(a).e, a); })
+      .def("__pos__", [](const PyExpr& a) { return checked(a); })
+      .def("__abs__", [](const PyExpr& a) { return wrap(abs(checked(a).e), a); })
+      .def("__invert__", [](const PyExpr& a) { return wrap(!checked(a).e, a); })
+      .def("__bool__", [](const PyExpr&) -> bool {
+        throw nb::type_error("an optfuse.Expr has no truth value while the rule is built; use optfuse.select(cond, a, b) "
+                             "instead of if/else, and & | ~ instead of and/or/not");
+      })
+      .def("__repr__", [](const PyExpr& a) {
+        if (!a.live || !a.live->alive) return std::string("<optfuse.Expr (dead)>");
+        const Node& n = a.e.graph->node(a.e.id);
+        return "<optfuse.Expr %" + std::to_string(a.e.id) + " " + op_name(n.op) + ">";
+      });
+  expr.attr("__hash__") = nb::none();  // == builds an Expr, so Exprs are not hashable
+
+  m.def("sqrt", unary("sqrt", [](Expr x) { return sqrt(x); }), "x"_a);
+  m.def("rsqrt", unary("rsqrt", [](Expr x) { return rsqrt(x); }), "x"_a);
+  m.def("exp", unary("exp", [](Expr x) { return exp(x); }), "x"_a);
+  m.def("log", unary("log", [](Expr x) { return log(x); }), "x"_a);
+  m.def("sign", unary("sign", [](Expr x) { return sign(x); }), "x"_a);
+  m.def("abs", unary("abs", [](Expr x) { return abs(x); }), "x"_a);
+  m.def("is_finite", unary("is_finite", [](Expr x) { return is_finite(x); }), "x"_a);
+  m.def("logical_not", unary("logical_not", [](Expr x) { return !x; }), "x"_a);
+  m.def("round_to_bf16", unary("round_to_bf16", [](Expr x) { return round_to_bf16(x); }), "x"_a);
+  m.def("round_to_f16", unary("round_to_f16", [](Expr x) { return round_to_f16(x); }), "x"_a);
+  m.def("global_sum_of_squares", unary("global_sum_of_squares", [](Expr x) { return global_sum_of_squares(x); }), "x"_a,
+        "Sum over every element of every tensor of x*x (float64, deterministic order): a global reduction.");
+  m.def("any_nonfinite", unary("any_nonfinite", [](Expr x) { return any_nonfinite(x); }), "x"_a,
+        "1 if any element of x over all tensors is inf or NaN, else 0: a global reduction.");
+  m.def("pow", binary("pow", [](Expr x, Expr y) { return pow(x, y); }), "x"_a, "y"_a);
+  m.def("min", binary("min", [](Expr x, Expr y) { return min(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.minimum).");
+  m.def("max", binary("max", [](Expr x, Expr y) { return max(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.maximum).");
+  m.def("logical_and", binary("logical_and", [](Expr x, Expr y) { return x && y; }), "x"_a, "y"_a);
+  m.def("logical_or", binary("logical_or", [](Expr x, Expr y) { return x || y; }), "x"_a, "y"_a);
+  m.def("select", ternary("select", [](Expr c, Expr t, Expr f) { return select(c, t, f); }), "cond"_a, "if_true"_a,
+        "if_false"_a, "if_true where cond != 0, else if_false.");
+  m.def("lerp", ternary("lerp", [](Expr s, Expr e, Expr w) { return lerp(s, e, w); }), "start"_a, "end"_a, "weight"_a,
+        "start + weight*(end - start), computed as torch.lerp.");
+  m.def("fma", ternary("fma", [](Expr x, Expr y, Expr z) { return fma(x, y, z); }), "x"_a, "y"_a, "z"_a,
+        "x*y + z with one rounding.");
+
+  // --- RuleBuilder
+  nb::class_<PyBuilder>(m, "RuleBuilder", "What a rule's update function builds its math with.")
+      .def("param", [](const PyBuilder& b) { return b.out(b.get().param()); }, "The parameter before this step.")
+      .def("update", [](const PyBuilder& b) { return b.out(b.get().update()); },
+           "The incoming update (the gradient for the first rule of a chain).")
+      .def("state", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().state(n)); }, "name"_a)
+      .def("set_state", [](const PyBuilder& b, const std::string& n, nb::handle v) {
+        RuleBuilder& rb = b.get();
+        PyExpr like = b.out(rb.param());
+        rb.set_state(n, lift(v, like, "set_state").e);
+      }, "name"_a, "value"_a)
+      .def("hyper", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().hyper(n)); }, "name"_a)
+      .def("step", [](const PyBuilder& b) { return b.out(b.get().step()); }, "The step being taken, 1 on the first.")
+      .def("global_value", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().global(parse_global(n))); },
+           "name"_a, "A per-step global scalar: 'grad_scale' or 'found_inf'.")
+      .def("grad_scale", [](const PyBuilder& b) { return b.out(b.get().global(kGradScale)); })
+      .def("found_inf", [](const PyBuilder& b) { return b.out(b.get().global(kFoundInf)); })
+      .def("constant", [](const PyBuilder& b, double v) { return b.out(b.get().constant(v)); }, "value"_a)
+      .def("skip_step_if", [](const PyBuilder& b, nb::handle cond) {
+        RuleBuilder& rb = b.get();
+        rb.skip_step_if(lift(cond, b.out(rb.param()), "skip_step_if").e);
+      }, "cond"_a, "The whole step changes nothing when cond != 0 (cond must be uniform).")
+      .def("name", [](const PyBuilder& b, const PyExpr& e, const std::string& n) {
+        return b.out(b.get().name(checked(e).e, n));
+      }, "expr"_a, "name"_a, "Names a value in generated code; returns it.");
+
+  // --- Range, Rule
+  nb::class_<Range>(m, "Range", "The set a hyperparameter's value must lie in.")
+      .def("__init__", [](Range* r, double lo, double hi, bool lo_open, bool hi_open) {
+        new (r) Range{lo, hi, lo_open, hi_open};
+      }, "lo"_a = -1e308, "hi"_a = 1e308, "lo_open"_a = false, "hi_open"_a = false)
+      .def_static("any", &Range::any)
+      .def_static("non_negative", &Range::non_negative)
+      .def_static("positive", &Range::positive)
+      .def_static("unit_interval_open_right", &Range::unit_interval_open_right)
+      .def("contains", &Range::contains)
+      .def("describe", &Range::describe)
+      .def("__repr__", [](const Range& r) { return "optfuse.Range(" + r.describe() + ")"; });
+
+  nb::class_<Rule>(m, "Rule", "A rule: declared hyperparameters and state, and an update function.")
+      .def(nb::init<std::string>(), "name"_a)
+      .def("hyper", [](Rule& r, const std::string& n, double v, const Range& range) -> Rule& { return r.hyper(n, v, range); },
+           "name"_a, "value"_a, "range"_a = Range::any(), nb::rv_policy::reference)
+      .def("state", [](Rule& r, const std::string& n, double init) -> Rule& { return r.state(n, init); }, "name"_a,
+           "init"_a = 0.0, nb::rv_policy::reference)
+      .def("update", [](Rule& r, nb::object fn) -> Rule& { return r.update(python_update_fn(r.name(), std::move(fn))); },
+           "fn"_a, nb::rv_policy::reference, "fn(builder) -> Expr: the outgoing update.")
+      .def("note", [](Rule& r, const std::string& t) -> Rule& { return r.note(t); }, "text"_a, nb::rv_policy::reference)
+      .def_prop_ro("name", &Rule::name)
+      .def_prop_ro("hypers", [](const Rule& r) {
+        std::vector<std::pair<std::string, double>> out;
+        for (auto& h : r.hypers()) out.emplace_back(h.name, h.value);
+        return out;
+      })
+      .def_prop_ro("states", [](const Rule& r) {
+        std::vector<std::pair<std::string, double>> out;
+        for (auto& s : r.states()) out.emplace_back(s.name, s.init);
+        return out;
+      })
+      .def_prop_ro("has_update", [](const Rule& r) { return static_cast<bool>(r.update_fn()); })
+      .def("signature", &Rule::signature)
+      .def("__repr__", [](const Rule& r) { return "<optfuse.Rule " + r.signature() + ">"; });
+
+  m.def("make_builtin", [](const std::string& name, const nb::kwargs& kw) { return make_builtin(name, to_args(kw)); },
+        "name"_a, "kwargs"_a, "A built-in rule or named optimizer as a chain (list of Rule).");
+  m.def("parse_chain", &parse_chain, "spec"_a, "SPEC text, e.g. 'chain(clip_by_global_norm(1.0), adamw())', as a chain.");
+  m.def("builtin_names", &builtin_names);
+  m.def("builtin_parameter_names", &builtin_parameter_names, "name"_a);
+  m.def("chain_text", [](nb::handle c) { return build_program(to_chain(c)).chain_text; }, "chain"_a);
+
+  // --- Plan, explain
+  nb::class_<Plan>(m, "Plan", "A chain after passes, cut into passes over memory.")
+      .def_prop_ro("chain_text", [](const Plan& p) { return p.program.chain_text; })
+      .def_prop_ro("pass_log", [](const Plan& p) { return p.pass_log; })
+      .def_prop_ro("num_phases", [](const Plan& p) { return p.phases.size(); })
+      .def_prop_ro("state_names", [](const Plan& p) {
+        std::vector<std::string> out;
+        for (auto& s : p.program.states) out.push_back(s.qualified);
+        return out;
+      })
+      .def_prop_ro("hyper_names", [](const Plan& p) {
+        std::vector<std::string> out;
+        for (auto& h : p.program.hypers) out.push_back(h.qualified);
+        return out;
+      })
+      .def("ir", [](const Plan& p) { return print_ir(p.program, &p.kind); })
+      .def("describe", [](const Plan& p, const std::string& dtype) { return p.describe(parse_dtype(dtype)); },
+           "dtype"_a = "float32")
+      .def("source", [](const Plan& p, const std::string& backend) { return generate_source(p, backend); },
+           "backend"_a = "cpu")
+      .def("__repr__", [](const Plan& p) { return "<optfuse.Plan " + p.program.chain_text + ">"; });
+  m.def("make_plan", [](nb::handle c) { return make_plan(to_chain(c)); }, "chain"_a);
+  m.def("explain", [](nb::handle c, const std::string& backend, bool source) {
+    if (backend != "cpu" && backend != "cuda") throw Error("explain: backend must be 'cpu' or 'cuda'");
+    return explain_text(make_plan(to_chain(c)), backend, source);
+  }, "chain"_a, "backend"_a = "cpu", "source"_a = true,
+        "The text `optfuse explain` prints: the chain, passes, IR, plan and generated source.");
+
+  // --- Optimizer
+  nb::class_<PyOptimizer>(m, "Optimizer", "A compiled chain with its scalars, stepping caller-owned tensors.")
+      .def(nb::init<nb::handle, const std::string&, int>(), "chain"_a, "backend"_a = "cpu", "groups"_a = 1)
+      .def_prop_ro("backend", [](PyOptimizer& o) { return std::string(backend_name(o.get().backend())); })
+      .def_prop_ro("num_groups", [](PyOptimizer& o) { return o.get().num_groups(); })
+      .def_prop_ro("plan", [](PyOptimizer& o) { return o.get().plan(); })
+      .def_prop_ro("state_names", [](PyOptimizer& o) {
+        std::vector<std::string> out;
+        for (auto& s : o.get().plan().program.states) out.push_back(s.name);
+        return out;
+      }, "Short state names in table order ('exp_avg', ...).")
+      .def_prop_ro("state_specs", [](PyOptimizer& o) {
+        std::vector<std::tuple<std::string, std::string, double>> out;
+        for (auto& s : o.get().plan().program.states) out.emplace_back(s.name, s.qualified, s.init);
+        return out;
+      }, "(name, qualified name, initial value) per state slot.")
+      .def_prop_ro("hyper_names", [](PyOptimizer& o) {
+        std::vector<std::string> out;
+        for (auto& h : o.get().plan().program.hypers) out.push_back(h.qualified);
+        return out;
+      })
+      .def_prop_ro("hyper_short_names", [](PyOptimizer& o) {
+        std::vector<std::string> out;
+        for (auto& h : o.get().plan().program.hypers) out.push_back(h.name);
+        return out;
+      })
+      .def_prop_ro("num_tensors", [](PyOptimizer& o) { return o.get().tensors().size(); })
+      .def_prop_ro("device_id", &PyOptimizer::device_id)
+      .def("add_group", [](PyOptimizer& o) { return o.get().add_group(); })
+      .def("set_hyper", [](PyOptimizer& o, int g, const std::string& n, double v) { o.get().set_hyper(g, n, v); },
+           "group"_a, "name"_a, "value"_a)
+      .def("hyper", [](PyOptimizer& o, int g, const std::string& n) { return o.get().hyper(g, n); }, "group"_a, "name"_a)
+      .def("step_count", [](PyOptimizer& o, int g) { return o.get().step_count(g); }, "group"_a = 0)
+      .def("set_step_count", [](PyOptimizer& o, int g, int64_t s) { o.get().set_step_count(g, s); }, "group"_a, "steps"_a)
+      .def("set_tensors", &PyOptimizer::set_tensors, "tensors"_a,
+           "tensors: list of (param, grad, [states], group); arrays with DLPack, contiguous, float32/float16/bfloat16.")
+      .def("step", &PyOptimizer::step, "grad_scale"_a = nb::none(), "found_inf"_a = nb::none(), "stream"_a = nb::none())
+      .def("source", [](PyOptimizer& o) { return o.get().source(); })
+      .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })
+      .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw)
+      .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
+      .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a);
+
+  nb::class_<GradWatch>(m, "_GradWatch")
+      .def(nb::init<std::vector<nb::object>>(), "params"_a)
+      .def("check", &GradWatch::check)
+      .def("snapshot", &GradWatch::snapshot)
+      .def("pointers", [](const GradWatch& w) { return w.pointers(); })
+      .def("__len__", &GradWatch::size);
+
+  m.def("parse_dtype", [](const std::string& s) { return static_cast<int>(parse_dtype(s)); }, "name"_a);
+}

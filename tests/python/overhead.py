@@ -1,0 +1,78 @@
+"""Host time of one optfuse.torch step over many small tensors (not a pytest file: run it).
+
+    python3 tests/python/overhead.py [--tensors 2000] [--device cpu|cuda]
+
+Prints the median time per step of: the whole step when the gradients are the same tensors as last
+step ("nothing changed"), its parts (the gradient identity check over all parameters, the core
+call), a step after zero_grad(set_to_none=True) gave every parameter a new gradient tensor, and
+torch's own AdamW for comparison. On CUDA the times are host times (no synchronisation inside)."""
+import argparse
+import statistics
+import time
+
+import torch
+
+import optfuse.torch as oft
+
+
+def median_us(fn, reps=200, trials=7):
+    fn()
+    out = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out.append((time.perf_counter() - t0) / reps * 1e6)
+    return statistics.median(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--numel", type=int, default=16)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ps = [torch.nn.Parameter(torch.randn(a.numel, device=dev)) for _ in range(a.tensors)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt = oft.AdamW(ps, lr=1e-3)
+    opt.step()
+    sync()
+    eng = next(iter(opt._engines.values()))
+    print(f"{a.tensors} tensors of {a.numel} elements on {dev}; backend: {eng.core.backend_status()}")
+    rows = [
+        ("step, nothing changed", opt.step),
+        ("  of which: .grad identity check (C++)", opt._watch.check),
+        ("  of which: hyperparameter check + check", opt._fresh),
+        ("  of which: core step call", lambda: eng.step(None, None)),
+    ]
+    for name, fn in rows:
+        print(f"{name:45s} {median_us(fn):9.1f} us")
+        sync()
+    # new gradient tensors every step, as zero_grad(set_to_none=True) + backward give
+    fresh = [[torch.randn_like(p) for p in ps] for _ in range(2)]
+    k = [0]
+
+    def swap():
+        k[0] ^= 1
+        for p, g in zip(ps, fresh[k[0]]):
+            p.grad = g
+
+    t_swap = median_us(swap, reps=20)
+    t_both = median_us(lambda: (swap(), opt.step()), reps=20)
+    print(f"{'step after new .grad tensors (set_to_none)':45s} {t_both - t_swap:9.1f} us")
+    sync()
+    for kind in ("fused", "foreach"):
+        try:
+            t = torch.optim.AdamW(ps, lr=1e-3, **{kind: True})
+            t.step()
+            sync()
+            print(f"{'torch.optim.AdamW(' + kind + '=True).step':45s} {median_us(t.step, reps=5, trials=3):9.1f} us")
+        except Exception as e:  # pragma: no cover
+            print(f"torch {kind}: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The core bindings without torch: rules and expressions in Python, built-ins and SPEC text,
+explain, and optfuse.Optimizer stepping NumPy arrays (CPU backend against the reference)."""
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+import optfuse
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def make_set(chain, shapes, dtype=np.float32, seed=0):
+    """Arrays (param, grad, states) per tensor, with the chain's state initial values."""
+    rng = np.random.default_rng(seed)
+    opt = optfuse.Optimizer(chain, "reference")
+    out = []
+    for shape in shapes:
+        p = rng.standard_normal(shape).astype(dtype)
+        g = rng.standard_normal(shape).astype(dtype)
+        out.append((p, g, optfuse.init_states(opt, p)))
+    return out
+
+
+def copy_set(s):
+    return [(p.copy(), g.copy(), [x.copy() for x in st]) for p, g, st in s]
+
+
+def rel(a, b):
+    return max(np.abs(x[0].astype(np.float64) - y[0]).max() for x, y in zip(a, b)) / max(
+        np.abs(y[0].astype(np.float64)).max() for y in b)
+
+
+def test_builtins_and_errors():
+    names = optfuse.builtin_names()
+    for n in ("sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "clip_by_global_norm", "unscale_by_grad_scale"):
+        assert n in names
+    chain = optfuse.make_builtin("adamw", lr=1e-3, betas=(0.8, 0.9))
+    assert [r.name for r in chain] == ["scale_by_adam", "add_decayed_weights", "scale_by_learning_rate"]
+    assert dict(chain[0].hypers)["b1"] == 0.8
+    with pytest.raises(optfuse.OptfuseError, match="adamw"):
+        optfuse.make_builtin("adamww")
+    with pytest.raises(ValueError, match="unknown argument 'lrr'"):
+        optfuse.make_builtin("adam", lrr=1.0)
+    with pytest.raises(optfuse.OptfuseError, match="position|column|\\^"):
+        optfuse.parse_chain("chain(adam(lr=), sgd())")
+
+
+def test_explain_is_the_cli_text():
+    spec = "chain(clip_by_global_norm(1.0), adamw(lr=1e-3))"
+    text = optfuse.explain(spec)
+    for section in ("== chain", "== passes", "== IR after passes", "== plan", "== generated cpu source"):
+        assert section in text
+    assert optfuse.explain(optfuse.parse_chain(spec)) == text
+    assert "== generated" not in optfuse.explain(spec, source=False)
+    assert "== generated cuda source" in optfuse.explain(spec, backend="cuda")
+    cli = os.path.join(ROOT, "build", "optfuse")
+    if not os.access(cli, os.X_OK):
+        pytest.skip("build/optfuse is not built (scripts/build.sh): cannot compare with the CLI")
+    newest = max(os.path.getmtime(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(ROOT, "src")) for f in fs)
+    if os.path.getmtime(cli) < newest:
+        pytest.skip("build/optfuse is older than src/ (scripts/build.sh rebuilds it): cannot compare with the CLI")
+    for backend in ("cpu", "cuda"):
+        out = subprocess.run([cli, "explain", spec, "--backend", backend], capture_output=True, text=True, check=True)
+        assert out.stdout == optfuse.explain(spec, backend=backend)
+
+
+def sign_rule():
+    return optfuse.Rule("scale_by_sign").hyper("strength", 2.0, optfuse.Range.non_negative()).update(
+        lambda b: optfuse.sign(b.update()) * b.hyper("strength"))
+
+
+def test_rule_in_python_with_every_operator():
+    def update(b):
+        u, p, t = b.update(), b.param(), b.step()
+        m = b.state("m")
+        m_new = optfuse.lerp(m, u, 0.1)
+        b.set_state("m", m_new)
+        x = (u + 1.0) * 2.0 - u / 4.0 + (-u) + abs(u) ** 2 + 2.0 ** optfuse.min(u, 0.5)
+        x = x + optfuse.sqrt(abs(u) + 1) + optfuse.rsqrt(abs(u) + 1) + optfuse.exp(-abs(u)) + optfuse.log(abs(u) + 1)
+        x = x + optfuse.max(u, -0.5) + optfuse.fma(u, p, 1.0) + optfuse.select(u > 0, 1.0, -1.0)
+        x = x + optfuse.select((u >= 0) & (p < 0), 1.0, 0.0) + optfuse.select((u <= 0) | (p != 0), 0.5, 0.0)
+        x = x + optfuse.is_finite(u) + (u == p) + 1.0 / t
+        return b.name(x * b.hyper("lr") * -1.0 + 0 * m_new, "weird")
+
+    rule = optfuse.Rule("weird").hyper("lr", 1e-3).state("m").update(update)
+    assert rule.signature() == "weird(lr=0.001)" and rule.states == [("m", 0.0)]
+    s = make_set([rule], [(7, 5), (33,)])
+    ref, cpu = copy_set(s), copy_set(s)
+    o_ref, o_cpu = optfuse.Optimizer([rule], "reference"), optfuse.Optimizer([rule], "cpu")
+    o_ref.set_tensors([(p, g, st, 0) for p, g, st in ref])
+    o_cpu.set_tensors([(p, g, st, 0) for p, g, st in cpu])
+    for _ in range(3):
+        o_ref.step()
+        o_cpu.step()
+    assert rel(cpu, ref) <= 1e-6
+    assert o_cpu.step_count(0) == 3
+    assert "weird" in o_cpu.source()
+
+
+def test_expressions_die_with_their_update_function():
+    kept = []
+
+    def update(b):
+        kept.append(b.update())
+        return b.update()
+
+    optfuse.make_plan([optfuse.Rule("keep").update(update)])
+    with pytest.raises(optfuse.OptfuseError, match="already returned"):
+        kept[0] + 1.0
+    with pytest.raises(TypeError, match="truth value"):
+        optfuse.make_plan([optfuse.Rule("bad").update(lambda b: b.update() if b.update() else b.update())])
+    with pytest.raises(optfuse.OptfuseError, match="must return an optfuse.Expr"):
+        optfuse.make_plan([optfuse.Rule("bad").update(lambda b: 1.0)])
+    with pytest.raises(optfuse.OptfuseError, match="did not declare"):
+        optfuse.make_plan([optfuse.Rule("bad").update(lambda b: b.state("nope"))])
+    with pytest.raises(ZeroDivisionError):  # a Python error in the update function comes through as is
+        optfuse.make_plan([optfuse.Rule("bad").update(lambda b: 1 / 0)])
+
+
+@pytest.mark.parametrize("spec", ["chain(clip_by_global_norm(0.5), adamw(lr=1e-2))", "adam(amsgrad=true)",
+                                  "sgd(lr=0.1, momentum=0.9, nesterov=true)", "lion(lr=1e-3, weight_decay=0.1)",
+                                  "rmsprop(centered=true, momentum=0.5)", "adagrad(lr_decay=0.01)"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_numpy_cpu_matches_reference(spec, dtype):
+    s = make_set(spec, [(3, 7), (100,), (1,), (2, 2, 5)], dtype=dtype)
+    ref, cpu = copy_set(s), copy_set(s)
+    o_ref, o_cpu = optfuse.Optimizer(spec, "reference", groups=2), optfuse.Optimizer(spec, "cpu", groups=2)
+    for o, arrays in ((o_ref, ref), (o_cpu, cpu)):
+        o.set_tensors([(p, g, st, i % 2) for i, (p, g, st) in enumerate(arrays)])
+        o.set_hyper(1, "lr", 0.5 * o.hyper(0, "lr"))
+        for _ in range(4):
+            o.step()
+    # float16 storage: the reference computes in float64, the CPU backend in float32; both round the
+    # result to float16, so they may differ by one float16 ulp (2^-10 relative)
+    assert rel(cpu, ref) <= (1e-6 if dtype == np.float32 else 2e-3)
+    assert o_cpu.step_count(1) == 4 and o_cpu.backend == "cpu" and o_ref.backend == "reference"
+
+
+def test_grad_scale_and_found_inf_on_the_host():
+    spec = "chain(unscale_by_grad_scale(), sgd(lr=0.1))"
+    base = make_set(spec, [(10,)])
+    a, b = copy_set(base), copy_set(base)
+    b[0][1][:] *= 4  # b's gradients arrive scaled by 4
+    oa, ob = optfuse.Optimizer(spec, "cpu"), optfuse.Optimizer(spec, "cpu")
+    oa.set_tensors(a)
+    ob.set_tensors(b)
+    oa.step()
+    ob.step(grad_scale=np.array([4.0], dtype=np.float32), found_inf=0.0)
+    assert np.array_equal(a[0][0], b[0][0])
+    before = b[0][0].copy()
+    ob.step(grad_scale=4.0, found_inf=np.ones(1, np.float32))
+    assert np.array_equal(before, b[0][0]) and ob.step_count(0) == 1
+
+
+def test_set_tensors_errors():
+    o = optfuse.Optimizer("adam()", "cpu")
+    p = np.zeros((4, 6), np.float32)
+    st = [np.zeros_like(p), np.zeros_like(p)]
+    with pytest.raises(optfuse.OptfuseError, match="not contiguous"):
+        o.set_tensors([(p, np.zeros((6, 4), np.float32).T, st)])
+    with pytest.raises(optfuse.OptfuseError, match="float64"):
+        o.set_tensors([(p, np.zeros((4, 6)), st)])
+    with pytest.raises(optfuse.OptfuseError, match="shape"):
+        o.set_tensors([(p, np.zeros(5, np.float32), st)])
+    with pytest.raises(optfuse.OptfuseError, match="state arrays"):
+        o.set_tensors([(p, np.zeros_like(p), st[:1])])
+    with pytest.raises(optfuse.OptfuseError, match="group"):
+        o.set_tensors([(p, np.zeros_like(p), st, 3)])
+    ro = np.zeros_like(p)
+    ro.flags.writeable = False
+    with pytest.raises(optfuse.OptfuseError, match="read-only"):
+        o.set_tensors([(ro, np.zeros_like(p), st)])
+    with pytest.raises(optfuse.OptfuseError, match="float16 but the parameter is float32"):
+        o.set_tensors([(p, np.zeros_like(p, dtype=np.float16), st)])
+    with pytest.raises(optfuse.OptfuseError, match="expected an array"):
+        o.set_tensors([(p, [1, 2], st)])
+    g = np.zeros_like(p)
+    g.flags.writeable = False  # gradients are only read
+    o.set_tensors([(p, g, st)])
+    with pytest.raises(optfuse.OptfuseError, match="lr"):
+        o.set_hyper(0, "lr", -1.0)
+    with pytest.raises(optfuse.OptfuseError, match="unknown hyperparameter"):
+        o.set_hyper(0, "lrr", 1.0)
+
+
+def test_cuda_backend_unavailable_is_reported():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the CUDA backend is exercised by the torch tests instead")
+    with pytest.raises(optfuse.BackendUnavailable):
+        optfuse.Optimizer("adam()", "cuda")
