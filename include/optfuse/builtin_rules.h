@@ -3,7 +3,8 @@
 //
 //   rule / optimizer        arguments (defaults)
 //   scale_by_adam           b1=0.9 b2=0.999 eps=1e-8 amsgrad=false   (betas=(b1, b2) also accepted)
-//   add_decayed_weights     weight_decay=0
+//   add_decayed_weights     weight_decay=0           (adds weight_decay * param to the update: L2, as Adam)
+//   decoupled_weight_decay  lr=1e-3 weight_decay=0   (param *= 1 - lr * weight_decay: AdamW, Lion)
 //   scale_by_learning_rate  lr=1e-3                  (multiplies the update by -lr)
 //   scale                   factor (required)
 //   trace                   momentum=0.9 dampening=0 nesterov=false

@@ -74,6 +74,10 @@ class Optimizer {
   // and builds the tensor table; throws without changing anything on bad input.
   void set_tensors(const std::vector<TensorRef>& tensors);
   const std::vector<TensorRef>& tensors() const { return tensors_; }
+  // Points the tensors at new gradient buffers (one per tensor, same sizes and dtypes as before):
+  // the cheap path for frameworks that reallocate gradients between steps. Only pointers change;
+  // nothing is revalidated beyond the count and null pointers.
+  void set_grad_pointers(const std::vector<const void*>& grads);
   void step(const StepInputs& inputs = {});
 
   // The generated source the backend runs (empty for the reference backend).

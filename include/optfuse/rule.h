@@ -122,11 +122,17 @@ class RuleBuilder {
   void skip_step_if(Expr cond);
   // Gives a value a readable name in generated code.
   Expr name(Expr e, const std::string& name);
+  // Multiplies the parameter the final update is added to by a factor: the new parameter
+  // becomes param * factor + update. This is decoupled weight decay as torch writes it
+  // (p *= 1 - lr * wd, then p += update), which rounds differently from adding wd * p to the update.
+  // param() still returns the parameter before this step.
+  void scale_param(Expr factor);
 
  private:
   friend Program build_program(const Chain& chain);
-  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming);
+  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming, Expr* param_base);
   Program& p_;
+  Expr* param_base_;
   const Rule& rule_;
   int first_state_, first_hyper_;
   Expr incoming_;

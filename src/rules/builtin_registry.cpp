@@ -50,7 +50,8 @@ Chain adam_like(const Resolved& a, bool decoupled) {
   if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
   if (!decoupled && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
   c.push_back(rules::scale_by_adam(a.beta(0), a.beta(1), a.num("eps"), a.flag("amsgrad")));
-  if (decoupled && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+  if (decoupled && a.num("weight_decay") != 0)
+    c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
   c.push_back(rules::scale_by_learning_rate(a.num("lr")));
   return c;
 }
@@ -62,6 +63,9 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           return Chain{rules::scale_by_adam(a.num("b1"), a.num("b2"), a.num("eps"), a.flag("amsgrad"))};
         }}},
+      {"decoupled_weight_decay",
+       {{{"lr", 1e-3}, {"weight_decay", 0.0}},
+        [](const Resolved& a) { return Chain{rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay"))}; }}},
       {"add_decayed_weights",
        {{{"weight_decay", 0.0}}, [](const Resolved& a) { return Chain{rules::add_decayed_weights(a.num("weight_decay"))}; }}},
       {"scale_by_learning_rate",
@@ -107,7 +111,8 @@ const std::map<std::string, Builtin>& registry() {
        {{{"lr", 1e-4}, {"betas", {0.9, 0.99}}, {"weight_decay", 0.0}},
         [](const Resolved& a) {
           Chain c{rules::scale_by_lion(a.beta(0), a.beta(1))};
-          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          if (a.num("weight_decay") != 0)
+            c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
           return c;
         }}},

@@ -39,6 +39,18 @@ Rule add_decayed_weights(double weight_decay) {
   return r.update([](RuleBuilder& b) { return b.update() + b.hyper("weight_decay") * b.param(); });
 }
 
+// AdamW's and Lion's decay as torch and lion-pytorch write it: p *= 1 - lr * wd before the update
+// is added (the same math as add_decayed_weights before scale_by_learning_rate, rounded as torch
+// rounds it). Its lr is set together with scale_by_learning_rate's: both are named "lr".
+Rule decoupled_weight_decay(double lr, double weight_decay) {
+  Rule r("decoupled_weight_decay");
+  r.hyper("lr", lr, Range::non_negative()).hyper("weight_decay", weight_decay, Range::non_negative());
+  return r.update([](RuleBuilder& b) {
+    b.scale_param(b.name(1.0 - b.hyper("lr") * b.hyper("weight_decay"), "decay_factor"));
+    return b.update();
+  });
+}
+
 Rule scale_by_learning_rate(double lr) {
   Rule r("scale_by_learning_rate");
   r.hyper("lr", lr, Range::non_negative());

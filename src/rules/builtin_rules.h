@@ -7,6 +7,7 @@ namespace optfuse::rules {
 
 Rule scale_by_adam(double b1, double b2, double eps, bool amsgrad);
 Rule add_decayed_weights(double weight_decay);
+Rule decoupled_weight_decay(double lr, double weight_decay);
 Rule scale_by_learning_rate(double lr);
 Rule scale(double factor);
 Rule trace(double momentum, double dampening, bool nesterov);

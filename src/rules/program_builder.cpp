@@ -1,5 +1,6 @@
 // Rule declarations, the builder rules write their math with, and build_program, which runs a
 // chain's rules in order into one graph.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <sstream>
@@ -97,19 +98,23 @@ std::vector<int> Program::find_hypers(const std::string& name) const {
   for (size_t i = 0; i < hypers.size(); ++i)
     if (hypers[i].name == name || hypers[i].qualified == name) out.push_back(static_cast<int>(i));
   if (out.empty()) {
-    std::vector<std::string> known;
+    std::vector<std::string> known, short_names;
     for (auto& h : hypers) {
       known.push_back(h.name);
       known.push_back(h.qualified);
+      if (std::find(short_names.begin(), short_names.end(), h.name) == short_names.end())
+        short_names.push_back(h.name);
     }
     throw Error("unknown hyperparameter '" + name + "'" + suggestion(name, known) +
-                " (this chain has: " + join_names(known, 2) + ")");
+                " (this chain has: " + join_names(short_names, 1) + ")");
   }
   return out;
 }
 
-RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming)
-    : p_(p), rule_(r), first_state_(first_state), first_hyper_(first_hyper), incoming_(incoming) {}
+RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming,
+                         Expr* param_base)
+    : p_(p), param_base_(param_base), rule_(r), first_state_(first_state), first_hyper_(first_hyper),
+      incoming_(incoming) {}
 
 static Expr leaf(Graph& g, Op op, int32_t index = -1) {
   Node n;
@@ -186,6 +191,13 @@ void RuleBuilder::skip_step_if(Expr cond) {
   p_.skip = p_.skip == kNoNode ? cond.id : (Expr{&p_.graph, p_.skip} || cond).id;
 }
 
+void RuleBuilder::scale_param(Expr factor) {
+  if (!factor.valid() || factor.graph != &p_.graph)
+    throw Error("rule " + rule_.name() + ": scale_param got an expression of another graph");
+  *param_base_ = *param_base_ * factor;
+  p_.names.emplace(param_base_->id, "param_decayed");
+}
+
 Expr RuleBuilder::name(Expr e, const std::string& n) {
   check_name("value", n);
   if (e.valid()) p_.names.emplace(e.id, n);
@@ -212,12 +224,13 @@ Program build_program(const Chain& chain) {
   }
   Expr param = leaf(p.graph, Op::Param);
   p.names.emplace(param.id, "param");
+  Expr param_base = param;  // what the final update is added to (scale_param may decay it)
   Expr incoming = leaf(p.graph, Op::Grad);
   p.names.emplace(incoming.id, "grad");
   int first_state = 0, first_hyper = 0;
   for (const Rule& r : chain) {
     if (!r.update_fn()) throw Error("rule " + r.name() + " has no update function");
-    RuleBuilder b(p, r, first_state, first_hyper, incoming);
+    RuleBuilder b(p, r, first_state, first_hyper, incoming, &param_base);
     Expr out = r.update_fn()(b);
     if (!out.valid() || out.graph != &p.graph)
       throw Error("rule " + r.name() + " returned no update expression");
@@ -226,7 +239,7 @@ Program build_program(const Chain& chain) {
     first_state += static_cast<int>(r.states().size());
     first_hyper += static_cast<int>(r.hypers().size());
   }
-  Expr pnew = param + incoming;
+  Expr pnew = param_base + incoming;
   p.param_out = pnew.id;
   p.names.emplace(pnew.id, "param_new");
   return p;

@@ -21,6 +21,8 @@ class Executor {
   virtual void write_step(int group, int64_t steps) = 0;
   // Tensors were validated by the Optimizer.
   virtual void set_tensors(const std::vector<TensorRef>& tensors) = 0;
+  // Same tensors (sizes, dtypes, groups), new data pointers: backends may skip rebuilding chunks.
+  virtual void update_pointers(const std::vector<TensorRef>& tensors) { set_tensors(tensors); }
   virtual void step(const StepInputs& in) = 0;
   virtual std::string source() const { return {}; }
   virtual std::string status() const = 0;

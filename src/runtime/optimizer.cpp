@@ -116,6 +116,19 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
   tensors_ = tensors;
 }
 
+void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
+  if (grads.size() != tensors_.size())
+    throw Error("set_grad_pointers: " + std::to_string(grads.size()) + " gradients given for " +
+                std::to_string(tensors_.size()) + " tensors");
+  for (size_t t = 0; t < grads.size(); ++t)
+    if (grads[t] == nullptr && tensors_[t].param.numel > 0)
+      throw Error("set_grad_pointers: tensor " + std::to_string(t) + " has no gradient pointer");
+  std::vector<TensorRef> next = tensors_;
+  for (size_t t = 0; t < grads.size(); ++t) next[t].grad.data = const_cast<void*>(grads[t]);
+  exec_->update_pointers(next);
+  tensors_ = std::move(next);
+}
+
 void Optimizer::step(const StepInputs& inputs) { exec_->step(inputs); }
 std::string Optimizer::source() const { return exec_->source(); }
 std::string Optimizer::backend_status() const { return exec_->status(); }

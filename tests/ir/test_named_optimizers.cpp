@@ -209,8 +209,8 @@ TEST(NamedOptimizers, ChainsAreTheDocumentedRules) {
   EXPECT_EQ(names(sgd({{"momentum", 0.9}, {"weight_decay", 0.1}, {"maximize", true}})),
             "scale add_decayed_weights trace scale_by_learning_rate");
   EXPECT_EQ(names(adam({{"weight_decay", 0.1}})), "add_decayed_weights scale_by_adam scale_by_learning_rate");
-  EXPECT_EQ(names(adamw()), "scale_by_adam add_decayed_weights scale_by_learning_rate");
-  EXPECT_EQ(names(lion({{"weight_decay", 0.1}})), "scale_by_lion add_decayed_weights scale_by_learning_rate");
+  EXPECT_EQ(names(adamw()), "scale_by_adam decoupled_weight_decay scale_by_learning_rate");
+  EXPECT_EQ(names(lion({{"weight_decay", 0.1}})), "scale_by_lion decoupled_weight_decay scale_by_learning_rate");
   EXPECT_EQ(names(rmsprop({{"momentum", 0.9}})), "scale_by_rms trace scale_by_learning_rate");
   EXPECT_EQ(names(adagrad()), "scale_by_adagrad scale_by_learning_rate");
   // torch's defaults, read back through the hyperparameters of a plan.

@@ -188,7 +188,7 @@ TEST(Plan, AdamwIsOnePassOf28BytesPerElement) {
   std::string h = plan.describe(DType::bf16);
   EXPECT_NE(h.find("bytes per element: 8 read + 6 written = 14"), std::string::npos) << h;
   EXPECT_NE(h.find("total bytes per element: 14\n"), std::string::npos) << h;
-  EXPECT_EQ(plan.layout.hypers_per_group, 5);  // b1 b2 eps weight_decay lr
+  EXPECT_EQ(plan.layout.hypers_per_group, 6);  // b1 b2 eps, lr weight_decay (decay), lr
   EXPECT_EQ(plan.layout.reductions, 0);
 }
 
@@ -282,10 +282,10 @@ TEST(Plan, ScalarLayoutDependsOnlyOnGroups) {
   Plan plan = make_plan(chain({clip_by_global_norm(1.0), adamw()}));
   const ScalarLayout& L = plan.layout;
   EXPECT_EQ(L.reductions, 1);
-  EXPECT_EQ(L.hypers_per_group, 6);  // max_norm b1 b2 eps weight_decay lr
+  EXPECT_EQ(L.hypers_per_group, 7);  // max_norm b1 b2 eps, lr weight_decay (decay), lr
   EXPECT_EQ(L.derived_per_group, static_cast<int>(plan.derived.size()));
   EXPECT_EQ(L.hypers_offset(), kNumGlobals + 1);
-  EXPECT_EQ(L.size(3), kNumGlobals + 1 + 3 * 6 + 3 + 3 + 3 * L.derived_per_group);
+  EXPECT_EQ(L.size(3), kNumGlobals + 1 + 3 * 7 + 3 + 3 + 3 * L.derived_per_group);
 }
 
 TEST(Plan, DumpIrPrintsEveryPass) {

@@ -70,6 +70,23 @@ TEST(Rules, AddDecayedWeights) {
   run_everywhere(c);
 }
 
+// torch.optim.AdamW's decay: param *= 1 - lr * weight_decay, then the update is added.
+TEST(Rules, DecoupledWeightDecay) {
+  RuleCase c;
+  G2 lr{0.1, 0.2}, wd{0.1, 0.3};
+  c.name = "decoupled_weight_decay";
+  c.chain = make_builtin("decoupled_weight_decay", {{"lr", lr[0]}, {"weight_decay", wd[0]}});
+  c.configure = [=](Optimizer& o) {
+    o.set_hyper(1, "lr", lr[1]);
+    o.set_hyper(1, "weight_decay", wd[1]);
+  };
+  c.math = [=](const StepCtx& x, double g, double& p, double*) {
+    p = p * (1.0 - lr[x.group] * wd[x.group]) + g;
+    return 0.0;
+  };
+  run_everywhere(c);
+}
+
 // optax.scale_by_learning_rate: update = -lr * g.
 TEST(Rules, ScaleByLearningRate) {
   RuleCase c;
