@@ -4,50 +4,15 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <memory>
 
 #include "commands.h"
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
-#include "runtime/cuda_api.h"
+#include "testing/device_tensor_set.h"
 #include "testing/tensor_set.h"
 
 namespace optfuse::cli {
-
-namespace {
-
-// Mirrors a host tensor set in device memory for the CUDA backend.
-struct DeviceMirror {
-  std::vector<std::vector<cuda::DeviceBuffer>> bufs;
-  std::vector<TensorRef> refs;
-  explicit DeviceMirror(testing::HostTensorSet& host) {
-    std::vector<TensorRef> h = host.refs();
-    for (size_t t = 0; t < h.size(); ++t) {
-      std::vector<cuda::DeviceBuffer> b;
-      for (size_t r = 0; r < host.num_roles(); ++r) {
-        auto& bytes = host.bytes(t, r);
-        b.emplace_back(bytes.size());
-        cuda::copy_to_device(b.back().ptr(), bytes.data(), bytes.size(), nullptr);
-      }
-      TensorRef ref = h[t];
-      ref.param.data = reinterpret_cast<void*>(b[0].ptr());
-      ref.grad.data = reinterpret_cast<void*>(b[1].ptr());
-      for (size_t s = 0; s < ref.states.size(); ++s) ref.states[s].data = reinterpret_cast<void*>(b[2 + s].ptr());
-      refs.push_back(ref);
-      bufs.push_back(std::move(b));
-    }
-  }
-  void upload_grads(testing::HostTensorSet& host) {
-    for (size_t t = 0; t < bufs.size(); ++t)
-      cuda::copy_to_device(bufs[t][1].ptr(), host.bytes(t, 1).data(), host.bytes(t, 1).size(), nullptr);
-  }
-  void download(testing::HostTensorSet& host) {
-    for (size_t t = 0; t < bufs.size(); ++t)
-      for (size_t r = 0; r < bufs[t].size(); ++r)
-        cuda::copy_to_host(host.bytes(t, r).data(), bufs[t][r].ptr(), host.bytes(t, r).size(), nullptr);
-  }
-};
-
-}  // namespace
 
 int check_command(const Argv& args) {
   Options o = parse_options(args, {"backend", "steps", "dtype"}, {});
@@ -62,10 +27,10 @@ int check_command(const Argv& args) {
   for (Optimizer* x : {&ref, &opt}) x->set_hyper(1, "lr", 0.5 * x->hyper(0, "lr"));
   testing::HostTensorSet ref_set(ref.plan(), specs, dtype, 7), got_set(ref.plan(), specs, dtype, 7);
   ref.set_tensors(ref_set.refs());
-  std::unique_ptr<DeviceMirror> dev;
+  std::unique_ptr<testing::DeviceTensorSet> dev;
   if (backend == Backend::cuda) {
-    dev = std::make_unique<DeviceMirror>(got_set);
-    opt.set_tensors(dev->refs);
+    dev = std::make_unique<testing::DeviceTensorSet>(got_set);
+    opt.set_tensors(dev->refs());
   } else {
     opt.set_tensors(got_set.refs());
   }
@@ -76,7 +41,7 @@ int check_command(const Argv& args) {
   for (int s = 0; s < steps; ++s) {
     ref_set.randomize_grads(100 + static_cast<uint64_t>(s));
     got_set.randomize_grads(100 + static_cast<uint64_t>(s));
-    if (dev) dev->upload_grads(got_set);
+    if (dev) dev->upload_role(got_set, 1);
     ref.step();
     opt.step();
     if (dev) dev->download(got_set);

@@ -1,6 +1,348 @@
-// Placeholder: the CUDA printer replaces this file (CUDA backend issue).
+// The CUDA driver source around the shared printer's functions. Per phase i of the plan:
+//
+//   extern "C" __global__ void of_scalar_phase<i>(double* table, int groups, const double* partials,
+//       long long num_chunks, const float* grad_scale, const float* found_inf)
+//     one block of OF_THREADS threads. Phase 0 first writes the globals. Then it combines the
+//     per-chunk partials of the reductions the previous reduce phase produced (partials[slot *
+//     num_chunks + chunk]) with fixed per-thread strided sums and a fixed shuffle tree: bitwise the
+//     same every run, no floating-point atomics. Then one thread per group evaluates the group's
+//     uniform values (of_phase<i>_scalars), writing derived values, skip and the step count.
+//
+//   extern "C" __global__ void of_phase<i>(const OfTensor* tensors, const OfChunk* chunks,
+//       long long num_chunks, const double* table, int groups, double* partials)
+//     blocks of OF_THREADS threads walk the chunk list grid-stride. Per chunk: the group's derived
+//     values go to registers as float, skipped groups are passed over (update phase), and a chunk
+//     loop specialised per storage dtype runs. Where every role the phase touches sits at the same
+//     offset from a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 halves; read-only
+//     roles through the non-coherent cache), OF_UNROLL_* vectors per role per thread per pass with
+//     all of a pass's loads issued before any math; elements before the first boundary and after the
+//     last whole vector take a scalar path, as does a chunk whose roles are misaligned differently.
+//     Indexing within a tensor is 64-bit (chunk begin), within a chunk 32-bit. Reduce phases
+//     accumulate in double per thread and per unrolled slot, then reduce the block with a fixed tree
+//     into one partial per chunk. The next chunk's descriptor is loaded while a chunk runs.
+//
+// Nothing here depends on tensor shapes, the group count or hyperparameter values: the table
+// offsets that depend on the group count are computed at run time from `groups`.
 #include "codegen/cuda_source.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "codegen/c_printer.h"
+
 namespace optfuse {
-std::string generate_cuda_source(const Plan&) { return "// not built yet\n"; }
-std::vector<std::string> cuda_kernel_names(const Plan&) { return {}; }
+
+namespace {
+
+// Block size of every kernel; the executor launches exactly this many threads (the deterministic
+// reductions depend on it, and the unrolled index arithmetic uses it as a constant).
+constexpr int kThreads = 256;
+
+const char* kCudaDriverPrelude = R"(
+struct OfTensor { void* ptr[OF_ROLES]; long long numel; int group; int dtype; };
+struct OfChunk { long long begin; int tensor; int length; };
+
+// Scalar table layout (ScalarLayout in plan.h):
+//   globals[2] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
+__device__ __forceinline__ long long of_hypers_offset() { return 2 + OF_REDUCTIONS; }
+__device__ __forceinline__ long long of_steps_offset(int groups) { return of_hypers_offset() + (long long)groups * OF_HYPERS; }
+__device__ __forceinline__ long long of_skip_offset(int groups) { return of_steps_offset(groups) + groups; }
+__device__ __forceinline__ long long of_derived_offset(int groups) { return of_skip_offset(groups) + groups; }
+
+// Storage dtypes (tensor table codes): 0 float32, 1 float16, 2 bfloat16. Conversions use the
+// hardware instructions, which round to nearest-even like the prelude's software versions (only
+// NaN payloads may differ); bfloat16 widening is a shift.
+template <int DT> struct OfStorage { typedef unsigned short E; };
+template <> struct OfStorage<0> { typedef float E; };
+// (Without __CUDA_ARCH__, i.e. when a test compiles this source as host C++, the prelude's
+// software conversions stand in for the instructions.)
+template <int DT> __device__ __forceinline__ float of_widen(typename OfStorage<DT>::E x) {
+  if constexpr (DT == 0) {
+    return x;
+  } else if constexpr (DT == 1) {
+#ifdef __CUDA_ARCH__
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x)); return f;
+#else
+    return of_f16_to_float(x);
+#endif
+  } else {
+    return __uint_as_float((unsigned)x << 16);
+  }
 }
+template <int DT> __device__ __forceinline__ typename OfStorage<DT>::E of_narrow(float v) {
+  if constexpr (DT == 0) {
+    return v;
+  } else {
+    unsigned short h;
+#ifdef __CUDA_ARCH__
+    if constexpr (DT == 1) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    else asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+#else
+    h = DT == 1 ? of_float_to_f16(v) : of_float_to_bf16(v);
+#endif
+    return h;
+  }
+}
+template <int DT> __device__ __forceinline__ float of_load1(const typename OfStorage<DT>::E* p) { return of_widen<DT>(*p); }
+template <int DT> __device__ __forceinline__ float of_load1_ro(const typename OfStorage<DT>::E* p) { return of_widen<DT>(__ldg(p)); }
+template <int DT> __device__ __forceinline__ void of_store1(typename OfStorage<DT>::E* p, float v) { *p = of_narrow<DT>(v); }
+
+// 16-byte vectors held as four 32-bit words; lane e of a vector is element e (little-endian).
+__device__ __forceinline__ unsigned of_word(const uint4& w, int k) { return k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w; }
+__device__ __forceinline__ void of_set_word(uint4& w, int k, unsigned v) {
+  if (k == 0) w.x = v; else if (k == 1) w.y = v; else if (k == 2) w.z = v; else w.w = v;
+}
+template <int DT> __device__ __forceinline__ float of_lane(const uint4& w, int e) {
+  if constexpr (DT == 0) return __uint_as_float(of_word(w, e));
+  else return of_widen<DT>((unsigned short)(of_word(w, e >> 1) >> (16 * (e & 1))));
+}
+template <int DT> __device__ __forceinline__ void of_set_lane(uint4& w, int e, float v) {
+  if constexpr (DT == 0) {
+    of_set_word(w, e, __float_as_uint(v));
+  } else {
+    const unsigned bits = of_narrow<DT>(v), old = of_word(w, e >> 1);
+    of_set_word(w, e >> 1, (e & 1) ? ((old & 0xffffu) | (bits << 16)) : ((old & 0xffff0000u) | bits));
+  }
+}
+__device__ __forceinline__ uint4 of_load16(const void* p) { return *(const uint4*)p; }
+__device__ __forceinline__ uint4 of_load16_ro(const void* p) { return __ldg((const uint4*)p); }
+__device__ __forceinline__ void of_store16(void* p, const uint4& v) { *(uint4*)p = v; }
+
+// Sum over the block with a fixed shuffle tree (deterministic); the result is valid in thread 0.
+// Every thread of the block must call it.
+__device__ __forceinline__ double of_block_sum(double x, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < OF_THREADS / 32 ? scratch[lane] : 0.0;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);
+  }
+  __syncthreads();  // scratch may be reused by the next call
+  return x;
+}
+
+// Combines one reduction's per-chunk partials in a fixed order: thread t takes chunks t, t + T,
+// t + 2T, ... in order, then the block tree. `any` is the OR of AnyNonFinite (partials are 0 or 1).
+__device__ __forceinline__ double of_combine(const double* partials, long long num_chunks, bool any, double* scratch) {
+  double s = 0.0;
+  #pragma unroll 4
+  for (long long c = threadIdx.x; c < num_chunks; c += OF_THREADS) s += partials[c];
+  s = of_block_sum(s, scratch);
+  return any ? (s != 0.0 ? 1.0 : 0.0) : s;
+}
+)";
+
+struct PhaseRoles {
+  std::vector<int> reads, writes, used;
+  bool read_only(int r) const { return std::find(writes.begin(), writes.end(), r) == writes.end(); }
+};
+
+PhaseRoles phase_roles(const ElementPhase& ph) {
+  PhaseRoles pr;
+  if (ph.reads_param) pr.reads.push_back(0);
+  if (ph.reads_grad) pr.reads.push_back(1);
+  for (int st : ph.reads_states) pr.reads.push_back(2 + st);
+  if (ph.kind == ElementPhase::Kind::Update) {
+    if (ph.writes_param) pr.writes.push_back(0);
+    for (int st : ph.writes_states) pr.writes.push_back(2 + st);
+  }
+  pr.used = pr.reads;
+  for (int r : pr.writes)
+    if (std::find(pr.used.begin(), pr.used.end(), r) == pr.used.end()) pr.used.push_back(r);
+  std::sort(pr.used.begin(), pr.used.end());
+  return pr;
+}
+
+// Reductions whose partials the scalar kernel before phase `i` combines: those the previous phase
+// produced. (run_scalar_phase recombines every earlier reduction each phase; partials of older ones
+// are unchanged since, so the table already holds their value.)
+std::vector<size_t> reductions_combined_before(const Plan& plan, size_t i) {
+  std::vector<size_t> out;
+  if (i == 0) return out;
+  const ElementPhase& prev = plan.phases[i - 1];
+  for (size_t r = 0; r < plan.reductions.size(); ++r)
+    if (std::find(prev.reductions.begin(), prev.reductions.end(), plan.reductions[r]) != prev.reductions.end())
+      out.push_back(r);
+  return out;
+}
+
+size_t reduction_slot(const Plan& plan, NodeId node) {
+  size_t s = 0;
+  while (plan.reductions[s] != node) ++s;
+  return s;
+}
+
+std::string scalar_kernel(const Plan& plan, size_t i) {
+  const Graph& g = plan.program.graph;
+  std::ostringstream s;
+  s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_scalar_phase" << i
+    << "(double* table, int groups, const double* partials, long long num_chunks, const float* grad_scale,"
+       " const float* found_inf) {\n";
+  if (!reductions_combined_before(plan, i).empty()) s << "  __shared__ double scratch[OF_THREADS / 32];\n";
+  if (i == 0)
+    s << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
+      << "    table[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
+      << "    table[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n";
+  for (size_t r : reductions_combined_before(plan, i)) {
+    bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
+    s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
+      << (any ? "true" : "false") << ", scratch);\n"
+      << "    if (threadIdx.x == 0) table[2 + " << r << "] = total;\n  }\n";
+  }
+  s << "  __syncthreads();  // globals and reductions are visible to every group's thread\n"
+    << "  const long long steps_at = of_steps_offset(groups), derived_at = of_derived_offset(groups);\n"
+    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS)\n"
+    << "    of_phase" << i << "_scalars(table + of_hypers_offset() + (long long)g * OF_HYPERS, table[steps_at + g], "
+    << "table, table + 2, table + derived_at + (long long)g * OF_DERIVED, table + of_skip_offset(groups) + g, "
+    << "table + steps_at + g);\n"
+    << "  (void)partials; (void)num_chunks; (void)grad_scale; (void)found_inf;\n}\n";
+  return s.str();
+}
+
+std::string chunk_function(const Plan& plan, size_t i) {
+  const ElementPhase& ph = plan.phases[i];
+  PhaseRoles pr = phase_roles(ph);
+  std::vector<std::string> roles = role_names(plan);
+  auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
+  size_t nred = std::max<size_t>(ph.reductions.size(), 1);
+  std::ostringstream s;
+  s << "\n// phase " << i << ": one chunk of one tensor, storage dtype DT\n"
+    << "template <int DT>\n__device__ __forceinline__ void of_phase" << i
+    << "_chunk(const OfTensor& t, long long begin, int len, const float* u, double* acc) {\n"
+    << "  typedef typename OfStorage<DT>::E E;\n"
+    << "  constexpr int kVec = 16 / (int)sizeof(E);   // elements per 16-byte vector\n"
+    << "  constexpr int kUnroll = sizeof(E) == 4 ? OF_UNROLL_32 : OF_UNROLL_16;  // vectors per role per thread per pass\n";
+  if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
+    s << "  (void)t; (void)begin; (void)len; (void)u; (void)acc;\n}\n";
+    return s.str();
+  }
+  for (int r : pr.used) s << "  E* __restrict__ " << nm(r) << "_p = (E*)t.ptr[" << r << "] + begin;\n";
+  // Misalignment check: the vector path needs every role at the same offset from 16 bytes.
+  s << "  const unsigned mis = (unsigned)((unsigned long long)" << nm(pr.used[0]) << "_p & 15u);\n"
+    << "  const bool same = true";
+  for (size_t k = 1; k < pr.used.size(); ++k) s << " && (unsigned)((unsigned long long)" << nm(pr.used[k]) << "_p & 15u) == mis";
+  s << ";\n"
+    << "  int head = 0, nvec = 0;\n"
+    << "  if (same && mis % sizeof(E) == 0) {\n"
+    << "    head = (int)(((16u - mis) & 15u) / sizeof(E));\n"
+    << "    if (head > len) head = len;\n"
+    << "    nvec = (len - head) / kVec;\n  }\n"
+    << "  const int body_end = head + nvec * kVec, scalar_count = head + (len - body_end);\n";
+  // Scalar path: the head before the first 16-byte boundary, then the tail after the last vector.
+  s << "  for (int j = threadIdx.x; j < scalar_count; j += OF_THREADS) {\n"
+    << "    const int e = j < head ? j : body_end + (j - head);\n"
+    << "    float v[OF_ROLES];\n";
+  for (int r : pr.reads)
+    s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<DT>(" << nm(r) << "_p + e);\n";
+  s << "    of_phase" << i << "_element(v, u, acc);\n";
+  for (int r : pr.writes) s << "    of_store1<DT>(" << nm(r) << "_p + e, v[" << r << "]);\n";
+  s << "  }\n";
+  // Vector body: all loads of a pass first (memory-level parallelism), then math and stores.
+  s << "  double acc_u[kUnroll][" << nred << "];\n"
+    << "  #pragma unroll\n  for (int k = 0; k < kUnroll; ++k)\n"
+    << "    for (int r = 0; r < " << nred << "; ++r) acc_u[k][r] = 0.0;\n"
+    << "  for (int base = threadIdx.x; base < nvec; base += kUnroll * OF_THREADS) {\n";
+  for (int r : pr.reads) s << "    uint4 " << nm(r) << "_in[kUnroll];\n";
+  s << "    #pragma unroll\n    for (int k = 0; k < kUnroll; ++k) {\n"
+    << "      const int vi = base + k * OF_THREADS;\n"
+    << "      if (vi < nvec) {\n";
+  for (int r : pr.reads)
+    s << "        " << nm(r) << "_in[k] = of_load16" << (pr.read_only(r) ? "_ro" : "") << "(" << nm(r)
+      << "_p + head + (long long)vi * kVec);\n";
+  s << "      }\n    }\n"
+    << "    #pragma unroll\n    for (int k = 0; k < kUnroll; ++k) {\n"
+    << "      const int vi = base + k * OF_THREADS;\n"
+    << "      if (vi < nvec) {\n";
+  for (int r : pr.writes) s << "        uint4 " << nm(r) << "_out = make_uint4(0u, 0u, 0u, 0u);\n";
+  s << "        #pragma unroll\n        for (int e = 0; e < kVec; ++e) {\n"
+    << "          float v[OF_ROLES];\n";
+  for (int r : pr.reads) s << "          v[" << r << "] = of_lane<DT>(" << nm(r) << "_in[k], e);\n";
+  s << "          of_phase" << i << "_element(v, u, acc_u[k]);\n";
+  for (int r : pr.writes) s << "          of_set_lane<DT>(" << nm(r) << "_out, e, v[" << r << "]);\n";
+  s << "        }\n";
+  for (int r : pr.writes)
+    s << "        of_store16(" << nm(r) << "_p + head + (long long)vi * kVec, " << nm(r) << "_out);\n";
+  s << "      }\n    }\n  }\n";
+  // Fixed-order merge of the unrolled slots' accumulators.
+  if (ph.kind == ElementPhase::Kind::Reduce)
+    s << "  #pragma unroll\n  for (int k = 0; k < kUnroll; ++k)\n"
+      << "    for (int r = 0; r < " << nred << "; ++r) acc[r] += acc_u[k][r];\n";
+  s << "  (void)acc_u; (void)acc;\n}\n";
+  return s.str();
+}
+
+std::string element_kernel(const Plan& plan, size_t i) {
+  const ElementPhase& ph = plan.phases[i];
+  const Graph& g = plan.program.graph;
+  bool update = ph.kind == ElementPhase::Kind::Update;
+  size_t nred = ph.reductions.size();
+  std::ostringstream s;
+  s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, OF_MIN_BLOCKS) of_phase" << i
+    << "(const OfTensor* __restrict__ tensors, const OfChunk* __restrict__ chunks, long long num_chunks,"
+       " const double* __restrict__ table, int groups, double* __restrict__ partials) {\n"
+    << "  const double* derived = table + of_derived_offset(groups);\n"
+    << "  const double* skip = table + of_skip_offset(groups);\n"
+    << (nred ? "  __shared__ double scratch[OF_THREADS / 32];\n" : "")
+    << "  if ((long long)blockIdx.x >= num_chunks) return;\n"
+    << "  OfChunk ch = chunks[blockIdx.x];\n"
+    << "  for (long long c = blockIdx.x; c < num_chunks; c += gridDim.x) {\n"
+    << "    // The next chunk's descriptor is fetched while this one runs.\n"
+    << "    const OfChunk next = c + gridDim.x < num_chunks ? chunks[c + gridDim.x] : ch;\n"
+    << "    const OfTensor& t = tensors[ch.tensor];\n"
+    << "    const int group = t.group;\n"
+    << (update ? "    if (skip[group] == 0.0) {  // uniform over the block: a skipped group's chunks are passed over\n"
+               : "    {\n");
+  s << "    float u[OF_DERIVED_ARRAY];  // uniform inputs, rounded to float as they enter element math\n"
+    << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)derived[(long long)group * OF_DERIVED + d];\n"
+    << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n"
+    << "    switch (t.dtype) {\n"
+    << "      case 0: of_phase" << i << "_chunk<0>(t, ch.begin, ch.length, u, acc); break;\n"
+    << "      case 1: of_phase" << i << "_chunk<1>(t, ch.begin, ch.length, u, acc); break;\n"
+    << "      default: of_phase" << i << "_chunk<2>(t, ch.begin, ch.length, u, acc); break;\n"
+    << "    }\n";
+  for (size_t k = 0; k < nred; ++k) {
+    bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
+    s << "    {\n      const double total = of_block_sum(acc[" << k << "], scratch);\n"
+      << "      if (threadIdx.x == 0) partials[" << reduction_slot(plan, ph.reductions[k]) << "LL * num_chunks + c] = "
+      << (any ? "total != 0.0 ? 1.0 : 0.0" : "total") << ";\n    }\n";
+  }
+  s << "    }\n    ch = next;\n  }\n  (void)skip; (void)derived; (void)partials;\n}\n";
+  return s.str();
+}
+
+}  // namespace
+
+std::string generate_cuda_source(const Plan& plan) {
+  CPrinter pr(plan, cuda_dialect());
+  const ScalarLayout& L = plan.layout;
+  std::ostringstream s;
+  // Kernel shape, measured on an H200 (dev/h200_cuda_check.sh --tune): one 16-byte vector per role
+  // per thread per pass with at least 3 blocks of 256 threads per SM (an 85-register cap, no spills
+  // for any built-in) reached the copy bandwidth on large tensors; deeper unrolling with fewer
+  // blocks, or 4-6 blocks, was up to 5% slower. The #ifndef lets a benchmark override them
+  // (OPTFUSE_CUDA_DEFINES in the executor).
+  s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
+    << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
+    << std::max(L.derived_per_group, 1) << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_THREADS "
+    << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
+    << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
+    << pr.common_source() << kCudaDriverPrelude;
+  for (size_t i = 0; i < plan.phases.size(); ++i)
+    s << scalar_kernel(plan, i) << chunk_function(plan, i) << element_kernel(plan, i);
+  return s.str();
+}
+
+std::vector<std::string> cuda_kernel_names(const Plan& plan) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < plan.phases.size(); ++i) {
+    names.push_back("of_scalar_phase" + std::to_string(i));
+    names.push_back("of_phase" + std::to_string(i));
+  }
+  return names;
+}
+
+}  // namespace optfuse
