@@ -37,7 +37,7 @@ def test_builtins_and_errors():
     for n in ("sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "clip_by_global_norm", "unscale_by_grad_scale"):
         assert n in names
     chain = optfuse.make_builtin("adamw", lr=1e-3, betas=(0.8, 0.9))
-    assert [r.name for r in chain] == ["scale_by_adam", "add_decayed_weights", "scale_by_learning_rate"]
+    assert [r.name for r in chain] == ["scale_by_adam", "decoupled_weight_decay", "scale_by_learning_rate"]
     assert dict(chain[0].hypers)["b1"] == 0.8
     with pytest.raises(optfuse.OptfuseError, match="adamw"):
         optfuse.make_builtin("adamww")

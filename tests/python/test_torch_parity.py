@@ -8,10 +8,10 @@ from conftest import make_model, rel_diff, train, twin
 
 STEPS = 20
 F32_TOL = 1e-6      # max|p_ours - p_torch| / max|p_torch|
-# Decoupled weight decay: torch and lion-pytorch compute p*(1 - lr*wd) - lr*u, the optfuse chain
-# p + (-lr)*(u + wd*p); the two round differently by up to 1 ulp of p per step, always the same way,
-# so 20 steps may drift 20 ulp = 20 * 2^-23 = 2.4e-6 of the parameter scale.
-DECOUPLED_TOL = 2.5e-6
+# On CUDA, torch's kernels let nvcc contract multiply-adds into FMAs (one rounding instead of two);
+# optfuse compiles with --fmad=false so that CUDA, CPU and the reference round alike. Measured on an
+# H200 (2026-11-30): at most 1.63e-6 over the grid (RMSprop, maximize, weight_decay).
+CUDA_F32_TOL = 2e-6
 BF16_TOL = 5e-2     # same measure, bfloat16 parameters and state (see docs/python.md)
 BF16_TOL_LION = 1e-1  # Lion moves every element by exactly +-lr: one rounding that differs flips a whole move
 BF16_VS_F32 = 1.25  # ours-bf16 may be at most this much farther from float32 than torch's bf16 is
@@ -87,8 +87,7 @@ def test_float32_matches_torch(case, device):
     ref = torch_opt(name, ref_model.parameters(), kw)
     train(ours_model, ours, STEPS, device)
     train(ref_model, ref, STEPS, device)
-    decoupled = (name == "Lion" or name == "AdamW") and kw.get("weight_decay", 0.01 if name == "AdamW" else 0) != 0
-    assert rel_diff(ours_model, ref_model) <= (DECOUPLED_TOL if decoupled else F32_TOL)
+    assert rel_diff(ours_model, ref_model) <= (CUDA_F32_TOL if device.type == "cuda" else F32_TOL)
 
 
 @pytest.mark.parametrize("case", GRID, ids=[case_id(c) for c in GRID])
