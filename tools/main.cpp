@@ -14,8 +14,8 @@ const char* kUsage =
     "      print the IR after passes, the plan (phases, bytes per element) and the generated source\n"
     "  check [SPEC] [--backend cpu|cuda|reference] [--steps 10]\n"
     "      run SPEC (default: adamw) on a small default set of tensors and compare with the reference evaluator\n"
-    "  bench [--chain SPEC] [--workload gpt2-small|llama-1b|many-small|one-big] [--backend cpu|cuda]\n"
-    "        [--scale F] [--dtype float32|bfloat16|float16] [--steps N] [--warmup N] [--json FILE]\n"
+    "  bench [--chain SPEC] [--workload gpt2-small|llama-1b|many-small|one-big|cpu-default] [--backend cpu|cuda]\n"
+    "        [--scale F] [--dtype float32|bfloat16|float16] [--steps N] [--warmup N] [--threads N] [--json FILE]\n"
     "      time a step and report it as a fraction of the measured copy-bandwidth floor\n"
     "SPEC example: \"chain(clip_by_global_norm(1.0), adamw(lr=1e-3, weight_decay=0.01))\"\n";
 
