@@ -336,6 +336,8 @@ std::string generate_cuda_source(const Plan& plan) {
   return s.str();
 }
 
+int cuda_block_threads() { return kThreads; }
+
 std::vector<std::string> cuda_kernel_names(const Plan& plan) {
   std::vector<std::string> names;
   for (size_t i = 0; i < plan.phases.size(); ++i) {

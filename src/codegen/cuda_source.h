@@ -14,5 +14,8 @@ namespace optfuse {
 
 std::string generate_cuda_source(const Plan& plan);
 std::vector<std::string> cuda_kernel_names(const Plan& plan);
+// Threads per block every generated kernel is written for (the deterministic reductions depend on
+// it): the executor launches exactly this many.
+int cuda_block_threads();
 
 }  // namespace optfuse

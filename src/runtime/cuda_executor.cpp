@@ -37,15 +37,6 @@ namespace {
 // dtype (the vector path's condition is then the same for all chunks of a tensor).
 constexpr int32_t kChunkElems = 16384;
 
-// Reads an integer `#define NAME value` from the generated source, so the block size the kernels
-// were written for has a single definition (cuda_source.cpp).
-int source_define(const std::string& source, const std::string& name) {
-  std::string key = "#define " + name + " ";
-  size_t at = source.find(key);
-  if (at == std::string::npos) throw Error("generated CUDA source lacks " + key);
-  return std::atoi(source.c_str() + at + key.size());
-}
-
 // Resident threads per SM by compute capability (the driver's occupancy tables).
 int max_threads_per_sm(int arch) {
   if (arch == 86 || arch == 87 || arch == 89 || arch >= 120) return 1536;
@@ -66,7 +57,7 @@ int resident_blocks(int regs, int threads, int arch) {
 class CudaExecutor : public Executor {
  public:
   explicit CudaExecutor(const Plan& plan) : plan_(plan), source_(generate_cuda_source(plan)) {
-    threads_ = source_define(source_, "OF_THREADS");
+    threads_ = cuda_block_threads();
     device_ = cuda::current_device();
     std::vector<std::string> options = {"--fmad=false"};  // round every op as written: match the CPU
     // Tuning knob for benchmarks: extra -D options (e.g. "-DOF_ELEMS_PER_PASS=16 -DOF_MIN_BLOCKS=1").
