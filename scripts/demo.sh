@@ -4,6 +4,7 @@
 # package and trains a small GPT twice (torch.optim.AdamW vs optfuse.torch.AdamW), writing a plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 scripts/setup.sh
 scripts/build.sh
 spec="chain(clip_by_global_norm(1.0), adamw(lr=1e-3, weight_decay=0.01))"

@@ -4,6 +4,8 @@
 # GPU skip with a reason where there is none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# CMake finds the CUDA toolkit (headers for types, NVRTC) through nvcc on PATH.
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 scripts/setup.sh
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
