@@ -1,6 +1,7 @@
 // Tests of the CUDA run-time layer. NVRTC tests need only the toolkit (no GPU); the rest skip with the
 // reason when driver_available() is false.
 #include "runtime/cuda_api.h"
+#include "cuda/require_cuda.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -68,19 +69,6 @@ class CudaApi : public ::testing::Test {
   }
   std::string dir_;
 };
-
-#define REQUIRE_NVRTC()                                          \
-  do {                                                           \
-    std::string why_;                                            \
-    if (!cu::nvrtc_available(&why_)) GTEST_SKIP() << why_;       \
-  } while (0)
-
-#define REQUIRE_GPU()                                            \
-  do {                                                           \
-    std::string why_;                                            \
-    if (!cu::driver_available(&why_)) GTEST_SKIP() << why_;      \
-    if (!cu::nvrtc_available(&why_)) GTEST_SKIP() << why_;       \
-  } while (0)
 
 }  // namespace
 

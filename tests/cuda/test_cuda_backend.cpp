@@ -19,6 +19,7 @@
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
 #include "runtime/cuda_api.h"
+#include "cuda/require_cuda.h"
 #include "testing/device_tensor_set.h"
 #include "testing/tensor_set.h"
 #include "testing/workloads.h"
@@ -30,19 +31,6 @@ namespace cu = optfuse::cuda;
 using optfuse::testing::DeviceTensorSet;
 using optfuse::testing::HostTensorSet;
 using optfuse::testing::TensorSpec;
-
-#define REQUIRE_NVRTC()                                          \
-  do {                                                           \
-    std::string why_;                                            \
-    if (!cu::nvrtc_available(&why_)) GTEST_SKIP() << why_;       \
-  } while (0)
-
-#define REQUIRE_GPU()                                            \
-  do {                                                           \
-    std::string why_;                                            \
-    if (!cu::driver_available(&why_)) GTEST_SKIP() << why_;      \
-    if (!cu::nvrtc_available(&why_)) GTEST_SKIP() << why_;       \
-  } while (0)
 
 struct Case {
   std::string name;
