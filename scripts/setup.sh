@@ -10,7 +10,12 @@ command -v g++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v ninja >/dev/null || missing+=(ninja-build)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
-command -v python3 >/dev/null || missing+=(python3 python3-pip python3-venv)
+command -v python3 >/dev/null || missing+=(python3 python3-pip python3-venv python3-dev)
+# The extension needs Python's headers (a Debian python3 has them in python3-dev).
+if command -v python3 >/dev/null &&
+   [ ! -f "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then
+  missing+=(python3-dev)
+fi
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
