@@ -357,20 +357,28 @@ class PyOptimizer {
   }
 
   // Grad pointers of the table's tensors from a GradWatch (watch_indices[k]: the watch slot of
-  // tensor k, given to set_tensors_raw).
-  // Rebuilds the table only when a pointer moved.
+  // tensor k, given to set_tensors_raw). Only pointers change (Optimizer::set_grad_pointers: no
+  // allocation on the device, no synchronisation), and only when one moved.
   bool take_grads(const std::vector<uint64_t>& ptrs) {
     const std::vector<int64_t>& indices = watch_indices_;
     const std::vector<TensorRef>& cur = opt_->tensors();
     if (indices.size() != cur.size()) throw Error("_take_grads: the index list does not match the tensor table");
     bool moved = false;
-    for (size_t k = 0; k < cur.size() && !moved; ++k)
-      moved = reinterpret_cast<uint64_t>(cur[k].grad.data) != ptrs.at(static_cast<size_t>(indices[k]));
+    grads_.resize(cur.size());
+    for (size_t k = 0; k < cur.size(); ++k) {
+      grads_[k] = reinterpret_cast<const void*>(ptrs.at(static_cast<size_t>(indices[k])));
+      moved = moved || grads_[k] != cur[k].grad.data;
+    }
     if (!moved) return false;
-    std::vector<TensorRef> refs = cur;
-    for (size_t k = 0; k < refs.size(); ++k) refs[k].grad.data = reinterpret_cast<void*>(ptrs[static_cast<size_t>(indices[k])]);
-    opt_->set_tensors(refs);
+    opt_->set_grad_pointers(grads_);
     return true;
+  }
+
+  // The hyperparameter `name` of `group` read at every step from a one-element float32/float64
+  // tensor at `ptr` (on the backend's device; 0 unbinds). The caller keeps the tensor alive.
+  void bind_hyper_raw(int group, const std::string& name, uint64_t ptr, bool is_f64) {
+    opt_->bind_hyper(group, name, reinterpret_cast<const void*>(ptr),
+                     is_f64 ? Optimizer::ScalarType::f64 : Optimizer::ScalarType::f32);
   }
 
   // grad_scale / found_inf: None, a one-element float32 array on the backend's device, or (host
@@ -405,13 +413,50 @@ class PyOptimizer {
     return s.empty() ? "" : s + ")";
   }
 
+  // Why an array the optimizer would write (a parameter or a state) must not be written, or "" if
+  // nothing says so before a DLPack export: a JAX array (immutable by contract, but its DLPack
+  // export is not flagged read-only, so only its type tells), or an array whose flags.writeable is
+  // False (NumPy and look-alikes; checked directly rather than relying on how a NumPy version flags
+  // its export).
+  static std::string read_only_reason(nb::handle h) {
+    nb::object module = nb::getattr(h.type(), "__module__", nb::none());
+    if (nb::isinstance<nb::str>(module)) {
+      std::string m = nb::cast<std::string>(module);
+      for (const char* jax : {"jax", "jaxlib"}) {
+        std::string p = jax;
+        if (m == p || m.rfind(p + ".", 0) == 0)
+          return "is a JAX array (" + type_name_of(h) + "); JAX arrays are immutable (read-only), and writing one in "
+                 "place would break every computation that shares it";
+      }
+    }
+    nb::object flags = nb::getattr(h, "flags", nb::none());
+    if (!flags.is_none()) {
+      nb::object writeable = nb::getattr(flags, "writeable", nb::none());
+      if (writeable.ptr() == Py_False) return "is read-only (its flags.writeable is False)";
+    }
+    return "";
+  }
+
+  // An array through DLPack (or the buffer protocol). writable: a parameter or a state, which the
+  // optimizer updates in place, so read-only and immutable arrays are refused; gradients are only
+  // read and may be read-only.
   nb::ndarray<nb::ro> array(nb::handle h, const std::string& what, bool writable, std::vector<nb::object>& keep) {
+    const char* why_writable = "; the optimizer writes parameters and states in place, so pass a writable array "
+                               "(NumPy, torch, CuPy; a read-only array only as a gradient)";
+    if (writable) {
+      std::string reason = read_only_reason(h);
+      if (!reason.empty()) throw Error(what + " " + reason + why_writable);
+    }
     nb::ndarray<nb::ro> ro;
     if (!nb::try_cast(h, ro, false))
       throw Error(what + ": expected an array with DLPack or the buffer protocol (NumPy array, torch tensor), got " + type_name_of(h));
     if (writable) {
+      // nanobind asks for a writable view: it requests a versioned DLPack capsule (DLPack >= 1.0)
+      // and refuses one flagged DLPACK_FLAG_BITMASK_READ_ONLY, or a read-only buffer.
       nb::ndarray<> rw;
-      if (!nb::try_cast(h, rw, false)) throw Error(what + " is read-only; the optimizer writes it in place");
+      if (!nb::try_cast(h, rw, false))
+        throw Error(what + " is read-only (its DLPack export is flagged read-only, or its buffer is not writable)" +
+                    why_writable);
     }
     keep.push_back(nb::borrow(h));
     return ro;
@@ -463,6 +508,7 @@ class PyOptimizer {
   std::unique_ptr<Optimizer> opt_;
   std::vector<nb::object> keep_;
   std::vector<int64_t> watch_indices_;
+  std::vector<const void*> grads_;  // reused by take_grads
   int device_id_ = -1;
   float scale_value_ = 1, inf_value_ = 0;
 };
@@ -790,6 +836,7 @@ NB_MODULE(_core, m) {
       .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })
       .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw)
       .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
+      .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)
       .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a);
 
   nb::class_<GradWatch>(m, "_GradWatch")

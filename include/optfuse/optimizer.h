@@ -49,7 +49,10 @@ struct StepInputs {
 };
 
 class Executor;
+struct HyperSource;
 
+// Movable, not copyable. A moved-from Optimizer holds nothing: every call on it throws
+// optfuse::Error ("... was moved from"); assigning a live Optimizer to it makes it usable again.
 class Optimizer {
  public:
   Optimizer(const Chain& chain, Backend backend, int groups = 1);
@@ -57,7 +60,7 @@ class Optimizer {
   Optimizer(Optimizer&&) noexcept;
   Optimizer& operator=(Optimizer&&) noexcept;
 
-  const Plan& plan() const { return plan_; }
+  const Plan& plan() const { return *live().plan_; }
   Backend backend() const { return backend_; }
   int num_groups() const { return groups_; }
   // Adds a group with the chain's default hyperparameters; returns its index.
@@ -66,6 +69,14 @@ class Optimizer {
   // against the rule's range, nothing changes on error. Never recompiles.
   void set_hyper(int group, const std::string& name, double value);
   double hyper(int group, const std::string& name) const;
+  // Reads the hyperparameter(s) `name` matches of `group` from `value` at every step, instead of the
+  // last set_hyper value: a float32 or float64 scalar in device memory for Backend::cuda (read by
+  // the kernel, so a change made on the stream before a step, even between replays of a captured
+  // CUDA graph, takes effect at that step), host memory otherwise. The memory must stay valid while
+  // bound. Bound values are not range-checked (they change where the host cannot see them).
+  // value == nullptr unbinds: the last set_hyper value applies again.
+  enum class ScalarType { f32, f64 };
+  void bind_hyper(int group, const std::string& name, const void* value, ScalarType type = ScalarType::f32);
   // Steps taken so far by a group (reads back from the device for CUDA).
   int64_t step_count(int group) const;
   void set_step_count(int group, int64_t steps);
@@ -86,12 +97,16 @@ class Optimizer {
   std::string backend_status() const;
 
  private:
+  const Optimizer& live() const;  // *this, or throws if moved from
+  Optimizer& live();
   void check_group(int group) const;
   void upload_hypers();
-  Plan plan_;
+  // Shared with the executor, which runs it: the plan's address survives moves of the Optimizer.
+  std::shared_ptr<const Plan> plan_;
   Backend backend_;
   int groups_ = 0;
   std::vector<double> hypers_;   // [group][hyper]
+  std::vector<HyperSource> hyper_sources_;  // [group][hyper]: where bound values are read
   std::vector<TensorRef> tensors_;
   std::unique_ptr<Executor> exec_;
 };

@@ -1,25 +1,33 @@
-// The CUDA driver source around the shared printer's functions. Per phase i of the plan:
-//
-//   extern "C" __global__ void of_scalar_phase<i>(double* table, int groups, const double* partials,
-//       long long num_chunks, const float* grad_scale, const float* found_inf)
-//     one block of OF_THREADS threads. Phase 0 first writes the globals. Then it combines the
-//     per-chunk partials of the reductions the previous reduce phase produced (partials[slot *
-//     num_chunks + chunk]) with fixed per-thread strided sums and a fixed shuffle tree: bitwise the
-//     same every run, no floating-point atomics. Then one thread per group evaluates the group's
-//     uniform values (of_phase<i>_scalars), writing derived values, skip and the step count.
+// The CUDA driver source around the shared printer's functions: one kernel per phase of the plan,
+// so a step is one launch per pass over memory (one launch for a plain AdamW step).
 //
 //   extern "C" __global__ void of_phase<i>(const OfTensor* tensors, const OfChunk* chunks,
-//       long long num_chunks, const double* table, int groups, double* partials)
-//     blocks of OF_THREADS threads walk the chunk list grid-stride. Per chunk: the group's derived
-//     values go to registers as float, skipped groups are passed over (update phase), and a chunk
-//     loop specialised per storage dtype runs. Where every role the phase touches sits at the same
-//     offset from a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 halves; read-only
-//     roles through the non-coherent cache), OF_UNROLL_* vectors per role per thread per pass with
-//     all of a pass's loads issued before any math; elements before the first boundary and after the
-//     last whole vector take a scalar path, as does a chunk whose roles are misaligned differently.
-//     Indexing within a tensor is 64-bit (chunk begin), within a chunk 32-bit. Reduce phases
-//     accumulate in double per thread and per unrolled slot, then reduce the block with a fixed tree
-//     into one partial per chunk. The next chunk's descriptor is loaded while a chunk runs.
+//       long long num_chunks, double* table, int groups, double* partials,
+//       const OfHyperSource* sources, const float* grad_scale, const float* found_inf,
+//       unsigned* done_count)
+//
+//   1. Uniforms, per block. Every block evaluates every group's uniform values (of_phase<i>_scalars,
+//      float64) into dynamic shared memory: hyperparameters from the table or, where a group's
+//      hyperparameter is bound to a device scalar (OfHyperSource), from that scalar, so an
+//      in-place change made on the stream (a scheduler's lr.fill_, even inside a replayed CUDA
+//      graph) is seen by this step; grad_scale / found_inf from device memory; reductions of
+//      earlier phases from the table. The step count is read, never written, here: every block sees
+//      the same count, and the work is a few double operations per group (no second launch).
+//   2. Elements. Blocks walk the chunk list grid-stride. Per chunk: the group's derived values go
+//      to registers as float, skipped groups are passed over (update phase), and a chunk loop
+//      specialised per storage dtype runs. Where every role the phase touches sits at the same
+//      offset from a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 halves;
+//      read-only roles through the non-coherent cache), OF_UNROLL_* vectors per role per thread per
+//      pass with all of a pass's loads issued before any math; elements before the first boundary
+//      and after the last whole vector take a scalar path, as does a chunk whose roles are
+//      misaligned differently. Indexing within a tensor is 64-bit (chunk begin), within a chunk
+//      32-bit. Reduce phases accumulate in double per thread and per unrolled slot, then reduce the
+//      block with a fixed tree into one partial per chunk.
+//   3. The last block to finish (a counter, reset by that block, so the kernel can be replayed in a
+//      graph) combines this phase's per-chunk partials in chunk order (a fixed strided sum and
+//      shuffle tree: bitwise the same every run, no floating-point atomics) into the table for the
+//      next phase, and after the update phase commits the step: skip flags, derived values and step
+//      counts of every group.
 //
 // Nothing here depends on tensor shapes, the group count or hyperparameter values: the table
 // offsets that depend on the group count are computed at run time from `groups`.
@@ -41,6 +49,10 @@ constexpr int kThreads = 256;
 const char* kCudaDriverPrelude = R"(
 struct OfTensor { void* ptr[OF_ROLES]; long long numel; int group; int dtype; };
 struct OfChunk { long long begin; int tensor; int length; };
+// Where a group's hyperparameter is read from: ptr == 0: the table; else a float32 (type 0) or
+// float64 (type 1) scalar in device memory (HyperSource in runtime/executor.h).
+struct OfHyperSource { unsigned long long ptr; int type; int pad; };
+#define OF_UNIFORM (OF_DERIVED + 1)  // per group in shared memory: derived values, then skip
 
 // Scalar table layout (ScalarLayout in plan.h):
 //   globals[2] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
@@ -157,49 +169,26 @@ PhaseRoles phase_roles(const ElementPhase& ph) {
   return pr;
 }
 
-// Reductions whose partials the scalar kernel before phase `i` combines: those the previous phase
-// produced. (run_scalar_phase recombines every earlier reduction each phase; partials of older ones
-// are unchanged since, so the table already holds their value.)
-std::vector<size_t> reductions_combined_before(const Plan& plan, size_t i) {
-  std::vector<size_t> out;
-  if (i == 0) return out;
-  const ElementPhase& prev = plan.phases[i - 1];
-  for (size_t r = 0; r < plan.reductions.size(); ++r)
-    if (std::find(prev.reductions.begin(), prev.reductions.end(), plan.reductions[r]) != prev.reductions.end())
-      out.push_back(r);
-  return out;
-}
-
 size_t reduction_slot(const Plan& plan, NodeId node) {
   size_t s = 0;
   while (plan.reductions[s] != node) ++s;
   return s;
 }
 
-std::string scalar_kernel(const Plan& plan, size_t i) {
-  const Graph& g = plan.program.graph;
+// One group's uniform values for phase i, hyperparameters resolved from their sources.
+std::string group_function(size_t i) {
   std::ostringstream s;
-  s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_scalar_phase" << i
-    << "(double* table, int groups, const double* partials, long long num_chunks, const float* grad_scale,"
-       " const float* found_inf) {\n";
-  if (!reductions_combined_before(plan, i).empty()) s << "  __shared__ double scratch[OF_THREADS / 32];\n";
-  if (i == 0)
-    s << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
-      << "    table[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
-      << "    table[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n";
-  for (size_t r : reductions_combined_before(plan, i)) {
-    bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
-    s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
-      << (any ? "true" : "false") << ", scratch);\n"
-      << "    if (threadIdx.x == 0) table[2 + " << r << "] = total;\n  }\n";
-  }
-  s << "  __syncthreads();  // globals and reductions are visible to every group's thread\n"
-    << "  const long long steps_at = of_steps_offset(groups), derived_at = of_derived_offset(groups);\n"
-    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS)\n"
-    << "    of_phase" << i << "_scalars(table + of_hypers_offset() + (long long)g * OF_HYPERS, table[steps_at + g], "
-    << "table, table + 2, table + derived_at + (long long)g * OF_DERIVED, table + of_skip_offset(groups) + g, "
-    << "table + steps_at + g);\n"
-    << "  (void)partials; (void)num_chunks; (void)grad_scale; (void)found_inf;\n}\n";
+  s << "\n__device__ __forceinline__ void of_phase" << i
+    << "_group(const double* table, int groups, int g, const OfHyperSource* sources, const double* globals, "
+       "double* derived, double* skip, double* steps_out) {\n"
+    << "  double hyper[OF_HYPERS_ARRAY];\n"
+    << "  const double* stored = table + of_hypers_offset() + (long long)g * OF_HYPERS;\n"
+    << "  for (int k = 0; k < OF_HYPERS; ++k) {\n"
+    << "    const OfHyperSource src = sources[(long long)g * OF_HYPERS + k];\n"
+    << "    hyper[k] = src.ptr == 0ull ? stored[k] : src.type == 1 ? *(const double*)src.ptr : (double)*(const float*)src.ptr;\n"
+    << "  }\n"
+    << "  of_phase" << i << "_scalars(hyper, table[of_steps_offset(groups) + g], globals, table + 2, derived, skip, steps_out);\n"
+    << "}\n";
   return s.str();
 }
 
@@ -283,21 +272,34 @@ std::string element_kernel(const Plan& plan, size_t i) {
   std::ostringstream s;
   s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, OF_MIN_BLOCKS) of_phase" << i
     << "(const OfTensor* __restrict__ tensors, const OfChunk* __restrict__ chunks, long long num_chunks,"
-       " const double* __restrict__ table, int groups, double* __restrict__ partials) {\n"
-    << "  const double* derived = table + of_derived_offset(groups);\n"
-    << "  const double* skip = table + of_skip_offset(groups);\n"
-    << (nred ? "  __shared__ double scratch[OF_THREADS / 32];\n" : "")
-    << "  if ((long long)blockIdx.x >= num_chunks) return;\n"
+       " double* __restrict__ table, int groups, double* __restrict__ partials,"
+       " const OfHyperSource* __restrict__ sources, const float* grad_scale, const float* found_inf,"
+       " unsigned* done_count) {\n"
+    << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
+    << "  __shared__ double globals[2];\n"
+    << "  __shared__ double scratch[OF_THREADS / 32];\n"
+    << "  __shared__ int last_block;\n"
+    << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
+    << "    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
+    << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n"
+    << "  __syncthreads();\n"
+    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n"
+    << "    double steps_unused;\n"
+    << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
+    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused);\n"
+    << "  }\n"
+    << "  __syncthreads();\n"
+    << "  if ((long long)blockIdx.x < num_chunks) {\n"
     << "  OfChunk ch = chunks[blockIdx.x];\n"
     << "  for (long long c = blockIdx.x; c < num_chunks; c += gridDim.x) {\n"
     << "    // The next chunk's descriptor is fetched while this one runs.\n"
     << "    const OfChunk next = c + gridDim.x < num_chunks ? chunks[c + gridDim.x] : ch;\n"
     << "    const OfTensor& t = tensors[ch.tensor];\n"
-    << "    const int group = t.group;\n"
-    << (update ? "    if (skip[group] == 0.0) {  // uniform over the block: a skipped group's chunks are passed over\n"
+    << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
+    << (update ? "    if (uni[OF_DERIVED] == 0.0) {  // uniform over the block: a skipped group's chunks are passed over\n"
                : "    {\n");
   s << "    float u[OF_DERIVED_ARRAY];  // uniform inputs, rounded to float as they enter element math\n"
-    << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)derived[(long long)group * OF_DERIVED + d];\n"
+    << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n"
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n"
     << "    switch (t.dtype) {\n"
     << "      case 0: of_phase" << i << "_chunk<0>(t, ch.begin, ch.length, u, acc); break;\n"
@@ -310,7 +312,30 @@ std::string element_kernel(const Plan& plan, size_t i) {
       << "      if (threadIdx.x == 0) partials[" << reduction_slot(plan, ph.reductions[k]) << "LL * num_chunks + c] = "
       << (any ? "total != 0.0 ? 1.0 : 0.0" : "total") << ";\n    }\n";
   }
-  s << "    }\n    ch = next;\n  }\n  (void)skip; (void)derived; (void)partials;\n}\n";
+  s << "    }\n    ch = next;\n  }\n  }\n";
+  // The last block: every other block has finished (their partials are visible after the fence).
+  s << "  __syncthreads();\n"
+    << "  if (threadIdx.x == 0) {\n"
+    << "    __threadfence();\n"
+    << "    last_block = atomicAdd(done_count, 1u) == gridDim.x - 1;\n  }\n"
+    << "  __syncthreads();\n"
+    << "  if (!last_block) return;\n"
+    << "  __threadfence();\n";
+  for (size_t k = 0; k < nred; ++k) {
+    size_t r = reduction_slot(plan, ph.reductions[k]);
+    bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
+    s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
+      << (any ? "true" : "false") << ", scratch);\n"
+      << "    if (threadIdx.x == 0) table[2 + " << r << "] = total;\n  }\n";
+  }
+  if (update)
+    s << "  if (threadIdx.x == 0) { table[0] = globals[0]; table[1] = globals[1]; }\n"
+      << "  const long long steps_at = of_steps_offset(groups), derived_at = of_derived_offset(groups);\n"
+      << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS)  // commit: skip, derived values, step count\n"
+      << "    of_phase" << i << "_group(table, groups, g, sources, globals, table + derived_at + (long long)g * OF_DERIVED, "
+      << "table + of_skip_offset(groups) + g, table + steps_at + g);\n";
+  s << "  if (threadIdx.x == 0) *done_count = 0u;  // ready for the next launch (or graph replay)\n"
+    << "  (void)partials; (void)scratch;\n}\n";
   return s.str();
 }
 
@@ -326,24 +351,26 @@ std::string generate_cuda_source(const Plan& plan) {
   // blocks, or 4-6 blocks, was up to 5% slower. The #ifndef lets a benchmark override them
   // (OPTFUSE_CUDA_DEFINES in the executor).
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
+    << "\n#define OF_HYPERS_ARRAY " << std::max(L.hypers_per_group, 1)
     << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
     << std::max(L.derived_per_group, 1) << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_THREADS "
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
     << pr.common_source() << kCudaDriverPrelude;
   for (size_t i = 0; i < plan.phases.size(); ++i)
-    s << scalar_kernel(plan, i) << chunk_function(plan, i) << element_kernel(plan, i);
+    s << group_function(i) << chunk_function(plan, i) << element_kernel(plan, i);
   return s.str();
 }
 
 int cuda_block_threads() { return kThreads; }
 
+size_t cuda_uniform_shared_bytes(const Plan& plan, int groups) {
+  return static_cast<size_t>(groups) * static_cast<size_t>(plan.layout.derived_per_group + 1) * sizeof(double);
+}
+
 std::vector<std::string> cuda_kernel_names(const Plan& plan) {
   std::vector<std::string> names;
-  for (size_t i = 0; i < plan.phases.size(); ++i) {
-    names.push_back("of_scalar_phase" + std::to_string(i));
-    names.push_back("of_phase" + std::to_string(i));
-  }
+  for (size_t i = 0; i < plan.phases.size(); ++i) names.push_back("of_phase" + std::to_string(i));
   return names;
 }
 

@@ -1,9 +1,8 @@
-// The CUDA dialect's complete source (compiled by NVRTC): the shared printer's functions plus, per
-// phase i of the plan, a scalar kernel and an element kernel:
-//   extern "C" __global__ void of_scalar_phase<i>(...)   one block: combines the partial sums of
-//       finished reductions in a fixed order, then evaluates each group's uniform values
-//   extern "C" __global__ void of_phase<i>(...)          all tensors: blocks walk the chunk list
-// See cuda_source.cpp for the exact parameter lists (the CUDA executor is their only caller).
+// The CUDA dialect's complete source (compiled by NVRTC): the shared printer's functions plus one
+// kernel per phase of the plan, `of_phase<i>`: every block evaluates the groups' uniform values,
+// walks the chunk list, and the last block to finish combines the phase's partial sums in a fixed
+// order (and commits the step after the update phase). One launch per pass over memory.
+// See cuda_source.cpp for the exact parameter list (the CUDA executor is its only caller).
 #pragma once
 #include <string>
 #include <vector>
@@ -17,5 +16,7 @@ std::vector<std::string> cuda_kernel_names(const Plan& plan);
 // Threads per block every generated kernel is written for (the deterministic reductions depend on
 // it): the executor launches exactly this many.
 int cuda_block_threads();
+// Dynamic shared memory every kernel needs for `groups` groups (their uniform values and skip flags).
+size_t cuda_uniform_shared_bytes(const Plan& plan, int groups);
 
 }  // namespace optfuse

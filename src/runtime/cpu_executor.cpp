@@ -25,7 +25,7 @@ constexpr int32_t kCpuChunk = 16384;  // elements: small enough to balance threa
 
 class CpuExecutor : public HostExecutor {
  public:
-  explicit CpuExecutor(const Plan& plan) : HostExecutor(plan, kCpuChunk), source_(generate_cpu_source(plan)) {
+  explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), kCpuChunk), source_(generate_cpu_source(plan_)) {
     std::string why;
     if (!host::find_compiler(&why)) {
       static std::once_flag once;
@@ -38,7 +38,7 @@ class CpuExecutor : public HostExecutor {
     }
     host::CompileResult r = host::compile_shared_object(source_);
     lib_ = std::make_unique<host::SharedLibrary>(r.so_path);
-    for (size_t i = 0; i < plan.phases.size(); ++i)
+    for (size_t i = 0; i < plan_.phases.size(); ++i)
       fns_.push_back(reinterpret_cast<PhaseFn>(lib_->symbol("of_phase" + std::to_string(i))));
     char buf[160];
     std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads", r.from_cache ? "cached" : "compiled now",
@@ -91,6 +91,6 @@ class CpuExecutor : public HostExecutor {
 
 }  // namespace
 
-std::unique_ptr<Executor> make_cpu_executor(const Plan& plan) { return std::make_unique<CpuExecutor>(plan); }
+std::unique_ptr<Executor> make_cpu_executor(PlanPtr plan) { return std::make_unique<CpuExecutor>(std::move(plan)); }
 
 }  // namespace optfuse

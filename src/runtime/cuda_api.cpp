@@ -33,11 +33,12 @@ namespace {
   X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice)             \
   X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncGetAttribute)              \
   X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)         \
-  X(cuMemcpyDtoHAsync) X(cuMemsetD8Async) X(cuPointerGetAttribute) X(cuStreamSynchronize)         \
-  X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamIsCapturing) X(cuStreamBeginCapture)             \
-  X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch) X(cuGraphExecDestroy)              \
-  X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord) X(cuEventSynchronize)     \
-  X(cuEventElapsedTime)
+  X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuPointerGetAttribute)           \
+  X(cuStreamSynchronize) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamIsCapturing)              \
+  X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch)            \
+  X(cuGraphExecDestroy) X(cuGraphDestroy) X(cuEventCreate) X(cuEventDestroy) X(cuEventRecord)     \
+  X(cuEventSynchronize) X(cuEventElapsedTime) X(cuEventQuery) X(cuStreamWaitEvent) X(cuMemHostAlloc)  \
+  X(cuMemFreeHost)
 
 #define OPTFUSE_NVRTC_FUNCS(X)                                                                    \
   X(nvrtcVersion) X(nvrtcGetErrorString) X(nvrtcGetNumSupportedArchs) X(nvrtcGetSupportedArchs)   \
@@ -459,6 +460,7 @@ OPTFUSE_DELETER(StreamDestroy, CUstream, cuStreamDestroy)
 OPTFUSE_DELETER(GraphDestroy, CUgraph, cuGraphDestroy)
 OPTFUSE_DELETER(GraphExecDestroy, CUgraphExec, cuGraphExecDestroy)
 OPTFUSE_DELETER(EventDestroy, CUevent, cuEventDestroy)
+OPTFUSE_DELETER(HostFree, void*, cuMemFreeHost)
 }  // namespace detail
 
 Module::Module(const std::string& cubin) {
@@ -537,6 +539,11 @@ void copy_to_host(void* dst, CUdeviceptr src, size_t bytes, CUstream stream) {
   CU_CTX(std::to_string(bytes) + " bytes", cuMemcpyDtoHAsync, dst, src, bytes, stream);
   CU(cuStreamSynchronize, stream);
 }
+void copy_device_to_device(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream) {
+  if (bytes == 0) return;
+  ensure_context();
+  CU_CTX(std::to_string(bytes) + " bytes", cuMemcpyDtoDAsync, dst, src, bytes, stream);
+}
 void memset_zero(CUdeviceptr dst, size_t bytes, CUstream stream) {
   if (bytes == 0) return;
   ensure_context();
@@ -578,6 +585,43 @@ void Graph::launch(CUstream stream) const {
   if (!exec_) throw Error("Graph::launch: empty graph");
   ensure_context();
   CU(cuGraphLaunch, exec_.get(), stream);
+}
+
+bool stream_is_capturing(CUstream stream) {
+  ensure_context();
+  CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+  CU(cuStreamIsCapturing, stream, &st);
+  return st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+PinnedBuffer::PinnedBuffer(size_t bytes) : size_(bytes) {
+  if (bytes == 0) return;
+  ensure_context();
+  void* p = nullptr;
+  CU_CTX(std::to_string(bytes) + " bytes of page-locked host memory", cuMemHostAlloc, &p, bytes, 0u);
+  p_.reset(p);
+}
+
+Event::Event() {
+  ensure_context();
+  CUevent e = nullptr;
+  CU(cuEventCreate, &e, CU_EVENT_DISABLE_TIMING);
+  e_.reset(e);
+}
+void Event::record(CUstream stream) { CU(cuEventRecord, e_.get(), stream); }
+bool Event::done() const {
+  const CUresult r = drv().cuEventQuery(e_.get());
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  cu_check(r, "cuEventQuery");
+  return true;
+}
+void Event::wait() const { CU(cuEventSynchronize, e_.get()); }
+void Event::make_wait(CUstream stream) const { CU(cuStreamWaitEvent, stream, e_.get(), 0u); }
+
+void copy_pinned_to_device_async(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+  if (bytes == 0) return;
+  ensure_context();
+  CU_CTX(std::to_string(bytes) + " bytes", cuMemcpyHtoDAsync, dst, src, bytes, stream);
 }
 
 EventTimer::EventTimer() {

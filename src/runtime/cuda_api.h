@@ -31,6 +31,7 @@ struct StreamDestroy { void operator()(CUstream s) const noexcept; };
 struct GraphDestroy { void operator()(CUgraph g) const noexcept; };
 struct GraphExecDestroy { void operator()(CUgraphExec g) const noexcept; };
 struct EventDestroy { void operator()(CUevent e) const noexcept; };
+struct HostFree { void operator()(void* p) const noexcept; };
 }  // namespace detail
 
 // True when libcuda.so.1 loads, cuInit succeeds and at least one device exists. Never throws;
@@ -134,6 +135,8 @@ class DeviceBuffer {
 void copy_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream);
 // Device -> host, ordered on `stream`; synchronises the stream, so `dst` holds the data on return.
 void copy_to_host(void* dst, CUdeviceptr src, size_t bytes, CUstream stream);
+// Device -> device (cuMemcpyDtoDAsync), ordered on `stream`; asynchronous (no synchronisation).
+void copy_device_to_device(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream stream);
 void memset_zero(CUdeviceptr dst, size_t bytes, CUstream stream);
 void stream_synchronize(CUstream stream);
 
@@ -167,6 +170,40 @@ class Graph {  // movable, not copyable
 // Ends the capture begun on `stream` and instantiates it. Throws Error if the capture was
 // invalidated (e.g. a synchronising call was made on the stream while capturing).
 Graph end_capture(CUstream stream);
+
+// True while `stream` is being captured into a CUDA graph (work queued on it then runs only when the
+// graph is launched).
+bool stream_is_capturing(CUstream stream);
+
+// Page-locked host memory (cuMemHostAlloc): the source of asynchronous uploads. Movable.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(size_t bytes);
+  void* data() const { return p_.get(); }
+  size_t size() const { return size_; }
+
+ private:
+  std::unique_ptr<void, detail::HostFree> p_;
+  size_t size_ = 0;
+};
+
+// A synchronisation-only event (no timing). Movable.
+class Event {
+ public:
+  Event();
+  void record(CUstream stream);
+  bool done() const;                     // cuEventQuery: has the recorded work finished?
+  void wait() const;                     // the host waits for it
+  void make_wait(CUstream stream) const; // `stream` waits for it, on the device (no host wait)
+
+ private:
+  std::unique_ptr<std::remove_pointer_t<CUevent>, detail::EventDestroy> e_;
+};
+
+// Host -> device from page-locked memory, fully asynchronous: `src` must stay unchanged until the
+// copy has run (record an Event after it). Captured into a graph when `stream` is capturing.
+void copy_pinned_to_device_async(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream);
 
 // GPU-side timing with two events: start(s) ... stop(s); elapsed_ms() waits for the stop event.
 class EventTimer {  // movable, not copyable

@@ -1,20 +1,24 @@
 // The CUDA backend: the plan's generated CUDA (codegen/cuda_source.cpp) compiled once by NVRTC for
-// the current device (cached on disk by content), a device-resident scalar table, and per step two
-// launches per phase (scalar kernel, element kernel) on the caller's stream.
+// the current device (cached on disk by content), a device-resident scalar table, and per step one
+// launch per phase on the caller's stream.
 //
-// A step allocates nothing, copies nothing and never waits for the device: grad_scale and found_inf
-// are read on the device, and skip decisions and step counts stay there. So a step can be captured
-// in a CUDA graph and replayed; hyperparameters written between replays (set_hyper) land in the same
-// table and are seen by the next replay, with no recompile. The source holds no shapes, group count
-// or hyperparameter values, so the NVRTC cache has one entry per chain structure and device arch.
+// Nothing on the step path waits for the device or allocates: grad_scale and found_inf are read on
+// the device, skip decisions and step counts stay there, bound hyperparameters are read by the
+// kernel, and host-side writes (hyperparameters, step counts, new gradient pointers, a rebuilt
+// tensor table) are copied into page-locked staging slots and queued on the stream (Uploader
+// below). Buffers a rebuild replaces are freed once the work queued before it has run. So a step
+// can be captured in a CUDA graph and replayed; a captured step also captures the upload of the
+// tensor table it was captured with, so replays use their own pointers whatever eager steps did
+// in between. The source holds no shapes, group count or hyperparameter values, so the NVRTC cache
+// has one entry per chain structure and device arch.
 //
-// Host-side writes (hyperparameters, step counts, new pointers) are ordered on the stream of the
-// last step; before the first step, and for setup calls (set_tensors, resize_groups), they are
-// waited for. A caller that changes streams between steps must order them itself.
+// Uploads are queued on the stream of the last step (before the first step: the legacy default
+// stream); a step on another stream first waits, on the device, for the uploads queued so far.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <sstream>
 
@@ -54,9 +58,66 @@ int resident_blocks(int regs, int threads, int arch) {
   return std::max(1, std::min({by_regs, by_threads, 32}));
 }
 
+// Host -> device uploads that never make the host wait: the data is copied into a page-locked
+// slot and the copy is queued on the stream. A slot is reused once the copy queued from it has run
+// (an event says so); while every slot is in flight a new one is made (the host may run many steps
+// ahead of the device), up to kMaxSlots, then the oldest is waited for. A copy captured into a CUDA
+// graph reads its slot at every replay, so that slot belongs to the executor for good.
+class Uploader {
+ public:
+  void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+    if (bytes == 0) return;
+    const bool capturing = cuda::stream_is_capturing(stream);
+    Slot& slot = free_slot(bytes);
+    std::memcpy(slot.buf.data(), src, bytes);
+    cuda::copy_pinned_to_device_async(dst, slot.buf.data(), bytes, stream);
+    if (capturing) {
+      graph_owned_.push_back(std::move(slot.buf));
+      slot.buf = cuda::PinnedBuffer();
+      slot.in_flight = false;
+    } else {
+      slot.done.record(stream);
+      slot.in_flight = true;
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxSlots = 64;
+  struct Slot {
+    cuda::PinnedBuffer buf;
+    cuda::Event done;
+    bool in_flight = false;
+  };
+  Slot& free_slot(size_t bytes) {
+    for (size_t k = 0; k < slots_.size(); ++k) {
+      Slot& s = *slots_[(next_ + k) % slots_.size()];
+      if (s.in_flight && !s.done.done()) continue;
+      s.in_flight = false;
+      if (s.buf.size() < bytes) s.buf = cuda::PinnedBuffer(std::max<size_t>(bytes, 2 * s.buf.size()));
+      next_ = (next_ + k + 1) % slots_.size();
+      return s;
+    }
+    if (slots_.size() < kMaxSlots) {
+      slots_.push_back(std::make_unique<Slot>());
+      slots_.back()->buf = cuda::PinnedBuffer(std::max<size_t>(bytes, 4096));
+      return *slots_.back();
+    }
+    Slot& oldest = *slots_[next_];  // every slot is in flight: the host is far ahead; wait for one
+    oldest.done.wait();
+    oldest.in_flight = false;
+    if (oldest.buf.size() < bytes) oldest.buf = cuda::PinnedBuffer(bytes);
+    next_ = (next_ + 1) % slots_.size();
+    return oldest;
+  }
+  std::vector<std::unique_ptr<Slot>> slots_;
+  size_t next_ = 0;
+  std::vector<cuda::PinnedBuffer> graph_owned_;
+};
+
 class CudaExecutor : public Executor {
  public:
-  explicit CudaExecutor(const Plan& plan) : plan_(plan), source_(generate_cuda_source(plan)) {
+  explicit CudaExecutor(PlanPtr plan)
+      : plan_ptr_(std::move(plan)), plan_(*plan_ptr_), source_(generate_cuda_source(plan_)) {
     threads_ = cuda_block_threads();
     device_ = cuda::current_device();
     std::vector<std::string> options = {"--fmad=false"};  // round every op as written: match the CPU
@@ -72,14 +133,16 @@ class CudaExecutor : public Executor {
     }
     cuda::CompileResult r = cuda::compile(source_, "optfuse", device_.arch(), options);
     module_ = std::make_unique<cuda::Module>(r.cubin);
-    for (size_t i = 0; i < plan.phases.size(); ++i) {
-      scalar_fns_.push_back(module_->function("of_scalar_phase" + std::to_string(i)));
+    for (size_t i = 0; i < plan_.phases.size(); ++i) {
       std::string name = "of_phase" + std::to_string(i);
-      element_fns_.push_back(module_->function(name));
-      int regs = module_->resources(name).registers;
-      resident_.push_back(static_cast<int64_t>(device_.sm_count) * resident_blocks(regs, threads_, device_.arch()));
+      fns_.push_back(module_->function(name));
+      cuda::KernelResources res = module_->resources(name);
+      regs_.push_back(res.registers);
+      static_shared_.push_back(res.shared_bytes);
     }
-    grid_.assign(plan.phases.size(), 0u);  // no tensors yet: scalar kernels only
+    // One completion counter per phase (the last block resets its own), zeroed once.
+    counters_ = cuda::DeviceBuffer(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned));
+    cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
     char buf[320];
     std::snprintf(buf, sizeof buf, "CUDA sm_%d (%s, %d SMs): %s (%.3f s)%s%s", device_.arch(), device_.name.c_str(),
                   device_.sm_count, r.from_cache ? "cached cubin" : "compiled by NVRTC now", r.seconds,
@@ -91,27 +154,37 @@ class CudaExecutor : public Executor {
   std::string status() const override { return status_; }
 
   void resize_groups(int groups) override {
+    refuse_while_capturing("adding a parameter group");
     const ScalarLayout& L = plan_.layout;
+    size_t shared = cuda_uniform_shared_bytes(plan_, groups);
+    if (shared > kMaxDynamicShared)
+      throw Error("CUDA backend: " + std::to_string(groups) + " parameter groups need " + std::to_string(shared) +
+                  " bytes of shared memory per block for their uniform values (at most " +
+                  std::to_string(kMaxDynamicShared) + ")");
     std::vector<double> fresh(static_cast<size_t>(L.size(groups)), 0.0);
-    if (groups_ > 0) {  // keep the step counts of groups that stay (they live on the device)
-      std::vector<double> old(static_cast<size_t>(L.size(groups_)));
-      cuda::copy_to_host(old.data(), table_.ptr(), old.size() * sizeof(double), stream_);
-      for (int g = 0; g < groups && g < groups_; ++g)
-        fresh[static_cast<size_t>(L.steps_offset(groups) + g)] = old[static_cast<size_t>(L.steps_offset(groups_) + g)];
-    }
     cuda::DeviceBuffer table(fresh.size() * sizeof(double));
-    cuda::copy_to_device(table.ptr(), fresh.data(), fresh.size() * sizeof(double), stream_);
-    cuda::stream_synchronize(stream_);  // the old table may still be in use until here
+    uploads_.upload(table.ptr(), fresh.data(), fresh.size() * sizeof(double), stream_);
+    if (groups_ > 0)  // keep the step counts of groups that stay (they live on the device)
+      cuda::copy_device_to_device(table.ptr() + static_cast<CUdeviceptr>(L.steps_offset(groups)) * sizeof(double),
+                                  table_at(L.steps_offset(groups_)),
+                                  static_cast<size_t>(std::min(groups, groups_)) * sizeof(double), stream_);
+    retire(std::move(table_));
     table_ = std::move(table);
+    retire(std::move(sources_));
+    sources_ = cuda::DeviceBuffer(static_cast<size_t>(groups) * static_cast<size_t>(L.hypers_per_group) * sizeof(HyperSource));
     groups_ = groups;
+    shared_bytes_ = shared;
+    compute_grid();
   }
 
-  // Ordered on the stream of the last step: a write between graph replays lands after the replay
-  // before it and before the one after it. Before the first step the stream a step will use is not
-  // known, so the write is waited for.
   void write_hypers(const std::vector<double>& hypers) override {
-    cuda::copy_to_device(table_at(plan_.layout.hypers_offset()), hypers.data(), hypers.size() * sizeof(double), stream_);
-    settle_if_no_step_yet();
+    uploads_.upload(table_at(plan_.layout.hypers_offset()), hypers.data(), hypers.size() * sizeof(double), stream_);
+  }
+
+  void write_hyper_sources(const std::vector<HyperSource>& sources) override {
+    if (sources.size() * sizeof(HyperSource) != sources_.size())
+      throw Error("CUDA backend: hyperparameter sources do not match the group count");
+    uploads_.upload(sources_.ptr(), sources.data(), sources_.size(), stream_);
   }
 
   int64_t read_step(int group) override {
@@ -122,65 +195,105 @@ class CudaExecutor : public Executor {
 
   void write_step(int group, int64_t steps) override {
     double v = static_cast<double>(steps);
-    cuda::copy_to_device(table_at(plan_.layout.steps_offset(groups_) + group), &v, sizeof v, stream_);
-    settle_if_no_step_yet();
+    uploads_.upload(table_at(plan_.layout.steps_offset(groups_) + group), &v, sizeof v, stream_);
   }
 
+  // A new tensor set: new device buffers, filled by queued uploads; the old ones are freed once
+  // the steps queued before have run. Nothing waits.
   void set_tensors(const std::vector<TensorRef>& tensors) override {
+    refuse_while_capturing("changing the tensor set");
     check_alignment(tensors);
-    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states());
+    words_ = build_tensor_table(tensors, plan_.num_states());
     std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
-    cuda::DeviceBuffer table(words.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
+    cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
     cuda::DeviceBuffer partials(plan_.reductions.size() * chunks.size() * sizeof(double));
-    cuda::copy_to_device(table.ptr(), words.data(), words.size() * sizeof(uint64_t), stream_);
-    cuda::copy_to_device(chunk_buf.ptr(), chunks.data(), chunks.size() * sizeof(Chunk), stream_);
+    uploads_.upload(table.ptr(), words_.data(), words_.size() * sizeof(uint64_t), stream_);
+    uploads_.upload(chunk_buf.ptr(), chunks.data(), chunks.size() * sizeof(Chunk), stream_);
     if (partials.size()) cuda::memset_zero(partials.ptr(), partials.size(), stream_);
-    // Setup, not a step: wait, so that the old buffers are free to go and a step on any stream
-    // sees the new ones.
-    cuda::stream_synchronize(stream_);
+    retire(std::move(tensor_table_));
+    retire(std::move(chunks_));
+    retire(std::move(partials_));
     tensor_table_ = std::move(table);
     chunks_ = std::move(chunk_buf);
     partials_ = std::move(partials);
     num_chunks_ = static_cast<long long>(chunks.size());
-    // Grid per phase: the blocks the GPU holds at once, capped by the chunk count, then evened out
-    // so every block walks the same number of chunks (no last round with a few busy blocks).
-    grid_.clear();
-    for (int64_t resident : resident_) {
-      int64_t n = num_chunks_, rounds = n == 0 ? 0 : (n + resident - 1) / resident;
-      grid_.push_back(rounds == 0 ? 0u : static_cast<unsigned>((n + rounds - 1) / rounds));
-    }
+    words_dirty_ = false;
+    compute_grid();
   }
 
-  // Same shapes, new pointers (e.g. gradients the framework reallocated): the table is rewritten in
-  // place, ordered on the last step's stream, so a captured graph's next replay uses the new
-  // pointers; the chunk list stays.
+  // Same shapes, new pointers (gradients the framework reallocated): only the host copy of the
+  // table changes here; the next step uploads it (ordered before its kernels).
   void update_pointers(const std::vector<TensorRef>& tensors) override {
     check_alignment(tensors);
     std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states());
-    if (words.size() * sizeof(uint64_t) != tensor_table_.size()) return set_tensors(tensors);
-    cuda::copy_to_device(tensor_table_.ptr(), words.data(), words.size() * sizeof(uint64_t), stream_);
-    settle_if_no_step_yet();
+    if (words.size() != words_.size()) return set_tensors(tensors);
+    words_ = std::move(words);
+    words_dirty_ = true;
   }
 
   void step(const StepInputs& in) override {
     CUstream s = static_cast<CUstream>(in.stream);
-    stream_ = s;
-    stepped_ = true;
+    const bool capturing = cuda::stream_is_capturing(s);
+    if (s != stream_ && !capturing) {
+      // Uploads so far were queued on the previous stream: this stream waits for them on the device.
+      uploaded_.record(stream_);
+      uploaded_.make_wait(s);
+      stream_ = s;
+    }
+    // A captured step carries its own tensor table (replays must not depend on what eager steps
+    // uploaded since); an eager step uploads it only when pointers changed.
+    if (words_dirty_ || capturing) {
+      uploads_.upload(tensor_table_.ptr(), words_.data(), words_.size() * sizeof(uint64_t), s);
+      words_dirty_ = capturing;  // the capture has not changed the device copy yet
+    }
     CUdeviceptr table = table_.ptr(), partials = partials_.ptr(), tensors = tensor_table_.ptr(), chunks = chunks_.ptr();
+    CUdeviceptr sources = sources_.ptr();
     int groups = groups_;
     long long n = num_chunks_;
     const float* grad_scale = in.grad_scale;
     const float* found_inf = in.found_inf;
-    void* scalar_args[] = {&table, &groups, &partials, &n, &grad_scale, &found_inf};
-    void* element_args[] = {&tensors, &chunks, &n, &table, &groups, &partials};
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
-      // The scalar kernel always runs (it commits step counts even with no tensors).
-      cuda::launch(scalar_fns_[i], 1, static_cast<unsigned>(threads_), 0, s, scalar_args);
-      if (grid_[i] > 0) cuda::launch(element_fns_[i], grid_[i], static_cast<unsigned>(threads_), 0, s, element_args);
+      CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
+      void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &sources, &grad_scale, &found_inf, &counter};
+      cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
     }
+    if (!capturing) reap();
   }
 
  private:
+  static constexpr size_t kMaxDynamicShared = 200 * 1024;  // below every sm_80+ part's opt-in limit
+
+  void refuse_while_capturing(const char* what) {
+    if (cuda::stream_is_capturing(stream_))
+      throw Error(std::string("CUDA backend: ") + what + " while the stream is being captured into a CUDA graph; "
+                  "step once outside the capture first, so that the capture only launches");
+  }
+
+  // Grid per phase: the blocks the GPU holds at once (registers, threads and shared memory), capped
+  // by the chunk count, then evened out so every block walks the same number of chunks (no last
+  // round with a few busy blocks). At least one block: it commits the step even with no tensors.
+  void compute_grid() {
+    grid_.clear();
+    for (size_t i = 0; i < fns_.size(); ++i) {
+      int per_sm = resident_blocks(regs_[i], threads_, device_.arch());
+      size_t shared = shared_bytes_ + static_cast<size_t>(static_shared_[i]) + 1024;  // 1 KiB reserved per block
+      per_sm = std::max(1, std::min<int>(per_sm, static_cast<int>((228u * 1024u) / shared)));
+      int64_t resident = static_cast<int64_t>(device_.sm_count) * per_sm;
+      int64_t n = num_chunks_, rounds = n == 0 ? 1 : (n + resident - 1) / resident;
+      grid_.push_back(n == 0 ? 1u : static_cast<unsigned>((n + rounds - 1) / rounds));
+    }
+  }
+
+  // A buffer still read by queued work: freed once that work has run.
+  void retire(cuda::DeviceBuffer&& b) {
+    if (b.size() == 0) return;
+    retired_.push_back({std::move(b), std::make_unique<cuda::Event>()});
+    retired_.back().second->record(stream_);
+  }
+  void reap() {
+    while (!retired_.empty() && retired_.front().second->done()) retired_.erase(retired_.begin());
+  }
+
   // 16-bit and 32-bit element loads need element-aligned addresses; say which buffer is not.
   static void check_alignment(const std::vector<TensorRef>& tensors) {
     for (size_t t = 0; t < tensors.size(); ++t) {
@@ -193,33 +306,36 @@ class CudaExecutor : public Executor {
                       std::to_string(dtype_size(bufs[k]->dtype)) + "-byte elements");
     }
   }
-  void settle_if_no_step_yet() {
-    if (!stepped_) cuda::stream_synchronize(stream_);
-  }
   CUdeviceptr table_at(int offset) const { return table_.ptr() + static_cast<CUdeviceptr>(offset) * sizeof(double); }
 
-  const Plan& plan_;
+  PlanPtr plan_ptr_;
+  const Plan& plan_;  // *plan_ptr_, which this executor keeps alive
   std::string source_, status_;
   cuda::Device device_;
   int threads_ = 0;
   std::unique_ptr<cuda::Module> module_;
-  std::vector<CUfunction> scalar_fns_, element_fns_;
-  std::vector<int64_t> resident_;  // per phase: blocks the whole GPU holds at once
-  std::vector<unsigned> grid_;     // per phase, for the current tensor set
+  std::vector<CUfunction> fns_;
+  std::vector<int> regs_, static_shared_;  // per phase
+  std::vector<unsigned> grid_;             // per phase, for the current tensor set and group count
+  size_t shared_bytes_ = 0;                // dynamic shared memory per block (the groups' uniforms)
   int groups_ = 0;
-  cuda::DeviceBuffer table_, tensor_table_, chunks_, partials_;
+  cuda::DeviceBuffer table_, sources_, tensor_table_, chunks_, partials_, counters_;
+  std::vector<uint64_t> words_;            // host copy of the tensor table
+  bool words_dirty_ = false;               // words_ differ from the device copy
   long long num_chunks_ = 0;
-  CUstream stream_ = nullptr;      // stream of the last step: scalar writes are ordered on it
-  bool stepped_ = false;
+  CUstream stream_ = nullptr;              // stream of the last step: uploads are queued on it
+  Uploader uploads_;
+  cuda::Event uploaded_;
+  std::vector<std::pair<cuda::DeviceBuffer, std::unique_ptr<cuda::Event>>> retired_;
 };
 
 }  // namespace
 
-std::unique_ptr<Executor> make_cuda_executor(const Plan& plan) {
+std::unique_ptr<Executor> make_cuda_executor(PlanPtr plan) {
   std::string why;
   if (!cuda::driver_available(&why)) throw BackendUnavailable("CUDA backend unavailable: " + why);
   if (!cuda::nvrtc_available(&why)) throw BackendUnavailable("CUDA backend unavailable: " + why);
-  return std::make_unique<CudaExecutor>(plan);
+  return std::make_unique<CudaExecutor>(std::move(plan));
 }
 
 }  // namespace optfuse

@@ -2,6 +2,7 @@
 // executor the scalar table layout; the executor owns the table's storage (host or device), the
 // tensor table and the generated code, and runs the phases of a step.
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -10,6 +11,16 @@
 
 namespace optfuse {
 
+// Where one [group][hyperparameter] value comes from at each step (Optimizer::bind_hyper): ptr == 0
+// means the table (the last set_hyper value); otherwise a float32 (type 0) or float64 (type 1)
+// scalar, in device memory for CUDA. 16 bytes: the generated struct OfHyperSource matches.
+struct HyperSource {
+  uint64_t ptr = 0;
+  int32_t type = 0;
+  int32_t pad = 0;
+};
+static_assert(sizeof(HyperSource) == 16, "HyperSource is shared with generated code");
+
 class Executor {
  public:
   virtual ~Executor() = default;
@@ -17,6 +28,8 @@ class Executor {
   virtual void resize_groups(int groups) = 0;
   // Writes the hyperparameter area ([group][hyper], plan layout).
   virtual void write_hypers(const std::vector<double>& hypers) = 0;
+  // Writes the hyperparameter sources ([group][hyper], same layout as write_hypers).
+  virtual void write_hyper_sources(const std::vector<HyperSource>& sources) = 0;
   virtual int64_t read_step(int group) = 0;
   virtual void write_step(int group, int64_t steps) = 0;
   // Tensors were validated by the Optimizer.
@@ -28,8 +41,11 @@ class Executor {
   virtual std::string status() const = 0;
 };
 
-std::unique_ptr<Executor> make_reference_executor(const Plan& plan);
-std::unique_ptr<Executor> make_cpu_executor(const Plan& plan);
-std::unique_ptr<Executor> make_cuda_executor(const Plan& plan);
+// Executors share ownership of the plan they run: an Optimizer may move (or be moved from) while its
+// executor lives on, so nothing may refer into the Optimizer itself.
+using PlanPtr = std::shared_ptr<const Plan>;
+std::unique_ptr<Executor> make_reference_executor(PlanPtr plan);
+std::unique_ptr<Executor> make_cpu_executor(PlanPtr plan);
+std::unique_ptr<Executor> make_cuda_executor(PlanPtr plan);
 
 }  // namespace optfuse

@@ -7,7 +7,8 @@
 
 namespace optfuse {
 
-HostExecutor::HostExecutor(const Plan& plan, int32_t chunk_elems) : plan_(plan), chunk_elems_(chunk_elems) {}
+HostExecutor::HostExecutor(PlanPtr plan, int32_t chunk_elems)
+    : plan_ptr_(std::move(plan)), plan_(*plan_ptr_), chunk_elems_(chunk_elems) {}
 
 void HostExecutor::resize_groups(int groups) {
   const ScalarLayout& L = plan_.layout;
@@ -38,6 +39,15 @@ void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {
 
 void HostExecutor::step(const StepInputs& in) {
   set_globals(table_.data(), in);
+  // Bound hyperparameters: read now, so a change made since the last step is seen by this one.
+  const int hyp = plan_.layout.hypers_offset();
+  for (size_t k = 0; k < sources_.size(); ++k) {
+    const HyperSource& s = sources_[k];
+    if (s.ptr == 0) continue;
+    const void* p = reinterpret_cast<const void*>(static_cast<uintptr_t>(s.ptr));
+    table_[static_cast<size_t>(hyp) + k] = s.type == 1 ? *static_cast<const double*>(p)
+                                                       : static_cast<double>(*static_cast<const float*>(p));
+  }
   for (size_t i = 0; i < plan_.phases.size(); ++i) {
     run_scalar_phase(plan_, i, table_.data(), groups_, partials_);
     run_phase(i);
@@ -48,7 +58,7 @@ namespace {
 
 class ReferenceExecutor : public HostExecutor {
  public:
-  explicit ReferenceExecutor(const Plan& plan) : HostExecutor(plan, 65536) {}
+  explicit ReferenceExecutor(PlanPtr plan) : HostExecutor(std::move(plan), 65536) {}
   std::string status() const override { return "reference evaluator (float64, interpreted)"; }
 
  protected:
@@ -60,8 +70,8 @@ class ReferenceExecutor : public HostExecutor {
 
 }  // namespace
 
-std::unique_ptr<Executor> make_reference_executor(const Plan& plan) {
-  return std::make_unique<ReferenceExecutor>(plan);
+std::unique_ptr<Executor> make_reference_executor(PlanPtr plan) {
+  return std::make_unique<ReferenceExecutor>(std::move(plan));
 }
 
 }  // namespace optfuse

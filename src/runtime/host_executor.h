@@ -11,9 +11,10 @@ namespace optfuse {
 
 class HostExecutor : public Executor {
  public:
-  HostExecutor(const Plan& plan, int32_t chunk_elems);
+  HostExecutor(PlanPtr plan, int32_t chunk_elems);
   void resize_groups(int groups) override;
   void write_hypers(const std::vector<double>& hypers) override;
+  void write_hyper_sources(const std::vector<HyperSource>& sources) override { sources_ = sources; }
   int64_t read_step(int group) override;
   void write_step(int group, int64_t steps) override;
   void set_tensors(const std::vector<TensorRef>& tensors) override;
@@ -23,10 +24,12 @@ class HostExecutor : public Executor {
   // Runs element phase `index` over all chunks, filling partials_ for reduce phases.
   virtual void run_phase(size_t index) = 0;
 
-  const Plan& plan_;
+  PlanPtr plan_ptr_;
+  const Plan& plan_;  // *plan_ptr_, which this executor keeps alive
   int32_t chunk_elems_;
   int groups_ = 0;
   std::vector<double> table_;
+  std::vector<HyperSource> sources_;  // [group][hyper]; bound values are read at every step
   std::vector<TensorRef> tensors_;
   std::vector<Chunk> chunks_;
   std::vector<std::vector<double>> partials_;  // [reduction][chunk]

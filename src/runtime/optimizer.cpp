@@ -24,7 +24,7 @@ const char* backend_name(Backend b) {
 }
 
 Optimizer::Optimizer(const Chain& chain, Backend backend, int groups)
-    : plan_(make_plan(chain)), backend_(backend) {
+    : plan_(std::make_shared<const Plan>(make_plan(chain))), backend_(backend) {
   if (groups < 1) throw Error("an optimizer needs at least one parameter group");
   switch (backend) {
     case Backend::reference: exec_ = make_reference_executor(plan_); break;
@@ -35,18 +35,57 @@ Optimizer::Optimizer(const Chain& chain, Backend backend, int groups)
 }
 
 Optimizer::~Optimizer() = default;
-Optimizer::Optimizer(Optimizer&&) noexcept = default;
-Optimizer& Optimizer::operator=(Optimizer&&) noexcept = default;
+
+// Moves leave the source empty (no plan, no executor, no tensors), so that using it is a clear
+// error rather than a step over state it no longer owns.
+Optimizer::Optimizer(Optimizer&& o) noexcept
+    : plan_(std::move(o.plan_)), backend_(o.backend_), groups_(o.groups_), hypers_(std::move(o.hypers_)),
+      hyper_sources_(std::move(o.hyper_sources_)), tensors_(std::move(o.tensors_)), exec_(std::move(o.exec_)) {
+  o.groups_ = 0;
+  o.hypers_.clear();
+  o.hyper_sources_.clear();
+  o.tensors_.clear();
+}
+
+Optimizer& Optimizer::operator=(Optimizer&& o) noexcept {
+  if (this != &o) {
+    plan_ = std::move(o.plan_);
+    backend_ = o.backend_;
+    groups_ = o.groups_;
+    hypers_ = std::move(o.hypers_);
+    hyper_sources_ = std::move(o.hyper_sources_);
+    tensors_ = std::move(o.tensors_);
+    exec_ = std::move(o.exec_);
+    o.groups_ = 0;
+    o.hypers_.clear();
+    o.hyper_sources_.clear();
+    o.tensors_.clear();
+  }
+  return *this;
+}
+
+const Optimizer& Optimizer::live() const {
+  if (!exec_) throw Error("this optfuse::Optimizer was moved from; use the Optimizer it was moved to");
+  return *this;
+}
+Optimizer& Optimizer::live() {
+  if (!exec_) throw Error("this optfuse::Optimizer was moved from; use the Optimizer it was moved to");
+  return *this;
+}
 
 int Optimizer::add_group() {
+  live();
   exec_->resize_groups(groups_ + 1);
-  for (const auto& h : plan_.program.hypers) hypers_.push_back(h.value);
+  for (const auto& h : plan_->program.hypers) hypers_.push_back(h.value);
+  hyper_sources_.resize(hypers_.size());
+  exec_->write_hyper_sources(hyper_sources_);
   ++groups_;
   upload_hypers();
   return groups_ - 1;
 }
 
 void Optimizer::check_group(int group) const {
+  live();
   if (group < 0 || group >= groups_)
     throw Error("parameter group " + std::to_string(group) + " does not exist (there are " +
                 std::to_string(groups_) + ")");
@@ -56,24 +95,37 @@ void Optimizer::upload_hypers() { exec_->write_hypers(hypers_); }
 
 void Optimizer::set_hyper(int group, const std::string& name, double value) {
   check_group(group);
-  std::vector<int> slots = plan_.program.find_hypers(name);
+  std::vector<int> slots = plan_->program.find_hypers(name);
   for (int s : slots) {
-    const ProgramHyper& h = plan_.program.hypers[static_cast<size_t>(s)];
+    const ProgramHyper& h = plan_->program.hypers[static_cast<size_t>(s)];
     if (!h.range.contains(value)) {
       std::ostringstream v;
       v << value;
       throw Error("invalid " + h.name + "=" + v.str() + " for " + h.rule + ": must be " + h.range.describe());
     }
   }
-  size_t per = plan_.program.hypers.size();
+  size_t per = plan_->program.hypers.size();
   for (int s : slots) hypers_[static_cast<size_t>(group) * per + static_cast<size_t>(s)] = value;
   upload_hypers();
 }
 
 double Optimizer::hyper(int group, const std::string& name) const {
   check_group(group);
-  int s = plan_.program.find_hypers(name).front();
-  return hypers_[static_cast<size_t>(group) * plan_.program.hypers.size() + static_cast<size_t>(s)];
+  int s = plan_->program.find_hypers(name).front();
+  return hypers_[static_cast<size_t>(group) * plan_->program.hypers.size() + static_cast<size_t>(s)];
+}
+
+void Optimizer::bind_hyper(int group, const std::string& name, const void* value, ScalarType type) {
+  check_group(group);
+  std::vector<int> slots = plan_->program.find_hypers(name);
+  size_t per = plan_->program.hypers.size();
+  for (int s : slots) {
+    HyperSource& src = hyper_sources_[static_cast<size_t>(group) * per + static_cast<size_t>(s)];
+    src.ptr = reinterpret_cast<uint64_t>(value);
+    src.type = type == ScalarType::f64 ? 1 : 0;
+  }
+  exec_->write_hyper_sources(hyper_sources_);
+  if (value == nullptr) upload_hypers();  // the table's value may have been overwritten by the bound one
 }
 
 int64_t Optimizer::step_count(int group) const {
@@ -98,7 +150,8 @@ static void check_buffer(const std::string& what, size_t t, const Buffer& b, con
 }
 
 void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
-  size_t nstates = plan_.program.states.size();
+  live();
+  size_t nstates = plan_->program.states.size();
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& r = tensors[t];
     if (r.param.numel < 0) throw Error("tensor " + std::to_string(t) + ": negative element count");
@@ -107,7 +160,7 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     if (r.states.size() != nstates)
       throw Error("tensor " + std::to_string(t) + ": " + std::to_string(r.states.size()) +
                   " state buffers given but the chain has " + std::to_string(nstates));
-    for (size_t s = 0; s < nstates; ++s) check_buffer("state " + plan_.program.states[s].qualified, t, r.states[s], r.param);
+    for (size_t s = 0; s < nstates; ++s) check_buffer("state " + plan_->program.states[s].qualified, t, r.states[s], r.param);
     if (r.group < 0 || r.group >= groups_)
       throw Error("tensor " + std::to_string(t) + ": parameter group " + std::to_string(r.group) +
                   " does not exist (there are " + std::to_string(groups_) + ")");
@@ -117,21 +170,30 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
 }
 
 void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
+  live();
   if (grads.size() != tensors_.size())
     throw Error("set_grad_pointers: " + std::to_string(grads.size()) + " gradients given for " +
                 std::to_string(tensors_.size()) + " tensors");
   for (size_t t = 0; t < grads.size(); ++t)
     if (grads[t] == nullptr && tensors_[t].param.numel > 0)
       throw Error("set_grad_pointers: tensor " + std::to_string(t) + " has no gradient pointer");
-  std::vector<TensorRef> next = tensors_;
-  for (size_t t = 0; t < grads.size(); ++t) next[t].grad.data = const_cast<void*>(grads[t]);
-  exec_->update_pointers(next);
-  tensors_ = std::move(next);
+  // In place (validated above): this is the per-step path of frameworks that reallocate gradients.
+  std::vector<void*> old(grads.size());
+  for (size_t t = 0; t < grads.size(); ++t) {
+    old[t] = tensors_[t].grad.data;
+    tensors_[t].grad.data = const_cast<void*>(grads[t]);
+  }
+  try {
+    exec_->update_pointers(tensors_);
+  } catch (...) {
+    for (size_t t = 0; t < grads.size(); ++t) tensors_[t].grad.data = old[t];
+    throw;
+  }
 }
 
-void Optimizer::step(const StepInputs& inputs) { exec_->step(inputs); }
-std::string Optimizer::source() const { return exec_->source(); }
-std::string Optimizer::backend_status() const { return exec_->status(); }
+void Optimizer::step(const StepInputs& inputs) { live().exec_->step(inputs); }
+std::string Optimizer::source() const { return live().exec_->source(); }
+std::string Optimizer::backend_status() const { return live().exec_->status(); }
 
 void fill_host_buffer(const Buffer& b, double value) {
   for (int64_t i = 0; i < b.numel; ++i) store_element(b.data, b.dtype, i, value);

@@ -10,8 +10,15 @@ Subclasses describe how torch's group options map onto optfuse chains:
   _structure(group) -> hashable key: groups with different keys get different chains (engines)
   _features(group)  -> set of optional rules the group needs (e.g. {"weight_decay"})
   _make_chain(key, features, groups) -> the chain (without unscale_by_grad_scale)
-  _hypers(group)    -> {optfuse hyperparameter name: float}
+  _hypers(group)    -> {optfuse hyperparameter name: value} (a number, or a one-element tensor that
+                       the engine binds so the kernel reads it at every step)
   _sig_keys         -> group keys whose change must be noticed (hyperparameters and structure)
+
+CUDA graphs: a captured step reads every hyperparameter from device memory at each replay, so a
+capture is refused while some hyperparameter is a Python number (its capture-time value would be
+replayed for ever, whatever a scheduler sets later): give them as CUDA tensors.
+torch.compile: step() is opaque to Dynamo (one graph break around it): the fused step runs eagerly
+between the compiled graphs, so a tensor lr changing never recompiles anything.
 """
 import operator
 
@@ -30,6 +37,23 @@ def _scalar_dtype():
 
 def _plain(v):
     return float(v) if torch.is_tensor(v) else v
+
+
+def _sig_key(v):
+    """What decides whether a group value changed: the value itself for numbers and CPU tensors
+    (read with no device round trip), the tensor's identity for CUDA tensors (the kernel reads
+    them in place, so a fill_ needs no push)."""
+    if torch.is_tensor(v):
+        return ("tensor", id(v)) if v.is_cuda else float(v)
+    if isinstance(v, (tuple, list)):
+        return tuple(_sig_key(x) for x in v)
+    return v
+
+
+def _dynamo_opaque(fn):
+    """fn runs eagerly under torch.compile (a graph break around it), never traced."""
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn) if disable is not None else fn
 
 
 def _is_dense(t):
@@ -52,6 +76,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf: no unscale pass
     _step_in_state = True              # torch's format keeps state["step"] per parameter
+    _skips_only_on_found_inf = True    # the chain skips a step only when found_inf says so
     _sig_keys = ("lr",)
 
     def __init__(self, params, defaults):
@@ -68,6 +93,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._features_by_key = {}
         self._copies = []
         self._tensor_hypers = False
+        self._on_cuda = False
         keys = self._sig_keys
         if len(keys) > 1:
             self._sig_get = operator.itemgetter(*keys)
@@ -128,6 +154,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._steps = {}  # re-read from the loaded state
         self._of_dirty = True
 
+    @_dynamo_opaque
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         """One fused step. grad_scale / found_inf (one-element float32 tensors) default to the
         attributes torch.amp.GradScaler sets on optimizers with _step_supports_amp_scaling."""
@@ -150,13 +177,34 @@ class FusedOptimizer(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            self._check_capture()
         if self._of_dirty or not self._fresh():
+            if capturing:
+                raise OptfuseError(f"{type(self).__name__}: the parameters or the set of gradients changed while a "
+                                   "CUDA graph is being captured; run step() once outside the capture with the "
+                                   "same gradients (torch's warm-up iterations) so that the capture only launches")
             self._rebuild()
         for src, dst in self._copies:
             dst.copy_(src)
         for e in self._engines.values():
-            e.step(grad_scale, found_inf)
+            e.step(grad_scale, found_inf, capturing)
         return loss
+
+    def _check_capture(self):
+        """Refuses a CUDA graph capture that would replay stale hyperparameters."""
+        floats = []
+        for i, g in enumerate(self.param_groups):
+            for name, value in self._hypers(g).items():
+                if not (torch.is_tensor(value) and value.is_cuda):
+                    floats.append(f"{name} (group {i})")
+        if floats:
+            raise OptfuseError(f"{type(self).__name__}: cannot capture step() in a CUDA graph while hyperparameters are "
+                               f"Python numbers: {', '.join(floats)}. A replay would use their values at capture time "
+                               "whatever a scheduler sets later. Pass them as CUDA tensors (e.g. "
+                               "lr=torch.tensor(1e-3, device='cuda'), capturable=True); the kernel reads them at every "
+                               "replay and schedulers update them in place.")
 
     # --- internals
     def _fresh(self):
@@ -168,7 +216,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for i, g in enumerate(groups):
             sig = get(g)
             if self._tensor_hypers:
-                sig = tuple(_plain(v) for v in sig)
+                sig = _sig_key(sig)
             if sig != self._sigs[i]:
                 if self._structure(g) != self._keys[i] or not self._features(g) <= self._engine_features(i):
                     return False
@@ -236,7 +284,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             chain = _with_unscale(self._make_chain(key, feats, [g for k, g in zip(self._keys, groups) if k == key]))
             text = _core.chain_text(chain)
             old = self._engines.get((key, device))
-            engine = old if old is not None and old.chain_text == text else Engine(chain, device)
+            engine = (old if old is not None and old.chain_text == text
+                      else Engine(chain, device, self._skips_only_on_found_inf))
             engine.chain_text = text
             entries = []
             for p, grad, tg, w in items:
@@ -249,8 +298,10 @@ class FusedOptimizer(torch.optim.Optimizer):
             engines[(key, device)] = engine
         self._engines = engines
         sigs = [self._sig_get(g) for g in groups]
-        self._tensor_hypers = any(torch.is_tensor(v) for s in sigs for v in s)
-        self._sigs = [tuple(_plain(v) for v in s) if self._tensor_hypers else s for s in sigs]
+        self._tensor_hypers = any(torch.is_tensor(x) for s in sigs for v in s
+                                  for x in (v if isinstance(v, (tuple, list)) else (v,)))
+        self._sigs = [_sig_key(s) if self._tensor_hypers else s for s in sigs]
+        self._on_cuda = any(device.type == "cuda" for _, device in engines)
         self._of_dirty = False
 
     def _states_for(self, p, st, engine):

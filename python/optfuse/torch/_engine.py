@@ -5,6 +5,14 @@ torch keeps a step count per parameter, the core keeps one per group. An engine 
 *internal groups* keyed by (torch group index, step count): parameters of one torch group whose
 step counts agree share an internal group, so every parameter's step stays exact after
 add_param_group, load_state_dict, or steps on which some parameters had no gradient.
+
+Step counts live on the device (a GradScaler's skipped step is decided there). While no step could
+have been skipped (no found_inf given, no CUDA graph captured) the engine also knows them on the
+host, so a rebuild never has to read them back: nothing in the training loop waits for the GPU.
+
+Hyperparameters given as tensors (torch's capturable style) are *bound*: the kernel reads a
+float32/float64 tensor on the engine's device at every step, so `lr.fill_(x)` (a scheduler) takes
+effect without a host round trip, also between replays of a captured CUDA graph.
 """
 import torch
 
@@ -29,8 +37,12 @@ def current_stream(device):
 class Engine:
     """A core optimizer for one chain on one device, and the tensor table it steps."""
 
-    def __init__(self, chain, device):
+    def __init__(self, chain, device, skips_only_on_found_inf=True):
         self.device = device
+        # False for chains that may skip a step for other reasons (skip_if_nonfinite, user rules):
+        # their step counts are always read back from the device.
+        self.countable = skips_only_on_found_inf
+        self.captured = False
         self.backend = "cuda" if device.type == "cuda" else "cpu"
         with _on_device(device):
             self.core = _core.Optimizer(chain, self.backend, 1)
@@ -41,7 +53,11 @@ class Engine:
         self.indices = []   # their slots in the optimizer's GradWatch
         self.groups = []    # internal group -> (torch group index, step count when the table was built)
         self.group_of = []  # per table entry: internal group
-        self.pushed = {}    # internal group -> {hyper name: value} last pushed
+        self.pushed = {}    # internal group -> {hyper name: key of the value last pushed}
+        self.bound = {}     # (internal group, hyper name) -> the tensor the kernel reads
+        self.exact = False  # steps() may count on the host: no step could have been skipped unseen
+        self.base_steps = []  # per internal group: its step count when the table was built
+        self.taken = 0        # steps since then
 
     def build(self, entries, hypers_of_torch_group):
         """entries: (param, grad, states, torch group index, step, watch index) per parameter that
@@ -56,6 +72,14 @@ class Engine:
         while self.core.num_groups < max(1, len(self.groups)):
             self.core.add_group()
         self.pushed = {}
+        for gi in range(self.core.num_groups):  # bindings of the previous table's groups
+            for name in self.hyper_names:
+                if (gi, name) in self.bound:
+                    self.core._bind_hyper_raw(gi, name, 0, False)
+        self.bound = {}
+        self.base_steps = [step for _, step in self.groups]
+        self.taken = 0
+        self.exact = self.countable and not self.captured
         for gi, (tg, step) in enumerate(self.groups):
             self.core.set_step_count(gi, step)
             self._push(gi, hypers_of_torch_group(tg))
@@ -78,9 +102,38 @@ class Engine:
     def _push(self, gi, hypers):
         done = self.pushed.setdefault(gi, {})
         for name, value in hypers.items():
-            if name in self.hyper_names and done.get(name) != value:
-                self.core.set_hyper(gi, name, value)
-                done[name] = value
+            if name not in self.hyper_names:
+                continue
+            bind = self._bindable(name, value)
+            key = ("bound", id(value)) if bind else float(value)
+            if done.get(name) == key:
+                continue
+            if bind:
+                self.core._bind_hyper_raw(gi, name, value.data_ptr(), value.dtype == torch.float64)
+                self.bound[(gi, name)] = value  # kept alive while the kernel reads it
+            else:
+                if self.bound.pop((gi, name), None) is not None:
+                    self.core._bind_hyper_raw(gi, name, 0, False)
+                self.core.set_hyper(gi, name, key)
+            done[name] = key
+
+    def _bindable(self, name, value):
+        """A tensor hyperparameter the kernel can read at every step (else its value is pushed)."""
+        if not torch.is_tensor(value):
+            return False
+        if value.numel() != 1:
+            raise _core.OptfuseError(f"hyperparameter {name} must be a number or a one-element tensor, "
+                                     f"got a tensor of shape {tuple(value.shape)}")
+        on_engine = value.device == self.device if self.device.type == "cuda" else value.device.type == "cpu"
+        if value.is_cuda and not on_engine:
+            raise _core.OptfuseError(f"hyperparameter {name} is a tensor on {value.device} but the parameters are "
+                                     f"on {self.device}")
+        if on_engine and value.dtype not in (torch.float32, torch.float64):
+            if value.is_cuda:
+                raise _core.OptfuseError(f"hyperparameter {name} is a {value.dtype} CUDA tensor; the kernel reads "
+                                         "float32 or float64 tensors")
+            return False  # a CPU tensor of another dtype: its value is pushed when it changes
+        return on_engine
 
     def push_hypers(self, tg, hypers):
         """New hyperparameter values of torch group tg (an lr scheduler ran): set_hyper, never a recompile."""
@@ -89,20 +142,28 @@ class Engine:
                 self._push(gi, hypers)
 
     def steps(self):
-        """Current step count of every parameter in the table (reads the device for CUDA)."""
-        counts = [self.core.step_count(gi) for gi in range(len(self.groups))]
+        """Current step count of every parameter in the table (reads the device only when a step
+        may have been skipped there)."""
+        if self.exact:
+            counts = [s + self.taken for s in self.base_steps]
+        else:
+            counts = [self.core.step_count(gi) for gi in range(len(self.groups))]
         return [(p, counts[gi]) for p, gi in zip(self.params, self.group_of)]
 
-    def step(self, grad_scale, found_inf):
+    def step(self, grad_scale, found_inf, capturing=False):
         if not self.params:
             return
         gs = _scalar_ptr(grad_scale, self.device)
         fi = _scalar_ptr(found_inf, self.device)
+        if found_inf is not None or capturing:
+            self.exact = False  # skips (or graph replays) happen where the host cannot count them
+            self.captured = self.captured or capturing
         if self.backend == "cuda":
             with _on_device(self.device):
                 self.core._step_raw(gs[0], fi[0], current_stream(self.device))
         else:
             self.core._step_raw(gs[0], fi[0], 0)
+        self.taken += 1
         # gs[1], fi[1] (the tensors behind the pointers) stay referenced until the launch is queued;
         # a tensor freed after that is reused only by later work on the same stream.
         return gs, fi

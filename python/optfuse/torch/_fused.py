@@ -18,6 +18,8 @@ class Fused(FusedOptimizer):
     set them like any torch optimizer's. State per parameter uses the chain's state names.
     """
 
+    _skips_only_on_found_inf = False  # a chain may skip steps itself (skip_if_nonfinite, user rules)
+
     def __init__(self, chain, params, **hypers):
         self._chain = list(_flatten(chain))
         probe = _core.Optimizer(self._chain, "reference", 1)  # names and defaults, without compiling
@@ -38,7 +40,7 @@ class Fused(FusedOptimizer):
         return self._chain
 
     def _hypers(self, g):
-        return {qual: float(g[name]) for name, qual in self._names.items()}
+        return {qual: g[name] for name, qual in self._names.items()}
 
     def _states_for(self, p, st, engine):
         # the engine lists short names; rename to this chain's unique keys for the state dict

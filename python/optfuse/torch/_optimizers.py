@@ -55,8 +55,8 @@ class SGD(FusedOptimizer):
                                   weight_decay=_wd_arg(features, groups), nesterov=nesterov, maximize=maximize)
 
     def _hypers(self, g):
-        return {"lr": float(g["lr"]), "momentum": float(g["momentum"]), "dampening": float(g["dampening"]),
-                "weight_decay": float(g["weight_decay"])}
+        return {"lr": g["lr"], "momentum": g["momentum"], "dampening": g["dampening"],
+                "weight_decay": g["weight_decay"]}
 
     def _initial_step(self, state):
         return 1 if "momentum_buffer" in state else 0
@@ -107,8 +107,8 @@ class Adam(FusedOptimizer):
 
     def _hypers(self, g):
         b1, b2 = g["betas"]
-        return {"lr": float(g["lr"]), "b1": float(b1), "b2": float(b2), "eps": float(g["eps"]),
-                "weight_decay": float(g["weight_decay"])}
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"],
+                "weight_decay": g["weight_decay"]}
 
 
 class AdamW(Adam):
@@ -160,8 +160,8 @@ class Adagrad(FusedOptimizer):
                                   eps=float(g["eps"]), maximize=maximize)
 
     def _hypers(self, g):
-        return {"lr": float(g["lr"]), "lr_decay": float(g["lr_decay"]), "eps": float(g["eps"]),
-                "weight_decay": float(g["weight_decay"])}
+        return {"lr": g["lr"], "lr_decay": g["lr_decay"], "eps": g["eps"],
+                "weight_decay": g["weight_decay"]}
 
 
 class RMSprop(FusedOptimizer):
@@ -190,8 +190,8 @@ class RMSprop(FusedOptimizer):
                                   centered=centered, maximize=maximize)
 
     def _hypers(self, g):
-        return {"lr": float(g["lr"]), "alpha": float(g["alpha"]), "eps": float(g["eps"]),
-                "weight_decay": float(g["weight_decay"]), "momentum": float(g["momentum"])}
+        return {"lr": g["lr"], "alpha": g["alpha"], "eps": g["eps"],
+                "weight_decay": g["weight_decay"], "momentum": g["momentum"]}
 
 
 class Lion(FusedOptimizer):
@@ -218,4 +218,4 @@ class Lion(FusedOptimizer):
 
     def _hypers(self, g):
         b1, b2 = g["betas"]
-        return {"lr": float(g["lr"]), "b1": float(b1), "b2": float(b2), "weight_decay": float(g["weight_decay"])}
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "weight_decay": g["weight_decay"]}
