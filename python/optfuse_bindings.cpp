@@ -547,8 +547,17 @@ class GradWatch {
       if (has != has_[i]) return 2;
       if (!has || current(i) == g) continue;
       // A new gradient tensor of a parameter that had one: read its pointer, check its layout.
-      if (!nb::cast<bool>(grad.attr(name_is_contiguous_)())) return 2;
-      ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)());
+      // (Vectorcall method calls: no bound-method objects; this loop is the step's host cost.)
+      PyObject* contiguous = PyObject_CallMethodNoArgs(g, name_is_contiguous_.ptr());
+      if (!contiguous) throw nb::python_error();
+      const bool is_contiguous = contiguous == Py_True;
+      Py_DECREF(contiguous);
+      if (!is_contiguous) return 2;
+      PyObject* ptr = PyObject_CallMethodNoArgs(g, name_data_ptr_.ptr());
+      if (!ptr) throw nb::python_error();
+      ptrs_[i] = PyLong_AsUnsignedLongLong(ptr);
+      Py_DECREF(ptr);
+      if (PyErr_Occurred()) throw nb::python_error();
       refs_[i] = weak(grad);
       result = 1;
     }

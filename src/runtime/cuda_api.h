@@ -180,6 +180,12 @@ class PinnedBuffer {
  public:
   PinnedBuffer() = default;
   explicit PinnedBuffer(size_t bytes);
+  PinnedBuffer(PinnedBuffer&& o) noexcept : p_(std::move(o.p_)), size_(std::exchange(o.size_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    p_ = std::move(o.p_);
+    size_ = std::exchange(o.size_, 0);
+    return *this;
+  }
   void* data() const { return p_.get(); }
   size_t size() const { return size_; }
 

@@ -62,23 +62,25 @@ int resident_blocks(int regs, int threads, int arch) {
 // slot and the copy is queued on the stream. A slot is reused once the copy queued from it has run
 // (an event says so); while every slot is in flight a new one is made (the host may run many steps
 // ahead of the device), up to kMaxSlots, then the oldest is waited for. A copy captured into a CUDA
-// graph reads its slot at every replay, so that slot belongs to the executor for good.
+// graph reads its slot at every replay, so that slot belongs to the executor for good; it is a
+// spare made beforehand, because events cannot be queried (nor, safely, memory pinned) while a
+// stream is being captured.
 class Uploader {
  public:
   void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
     if (bytes == 0) return;
-    const bool capturing = cuda::stream_is_capturing(stream);
+    if (cuda::stream_is_capturing(stream)) return upload_captured(dst, src, bytes, stream);
+    if (spare_.size() < spare_bytes_) spare_ = cuda::PinnedBuffer(spare_bytes_);
     Slot& slot = free_slot(bytes);
     std::memcpy(slot.buf.data(), src, bytes);
     cuda::copy_pinned_to_device_async(dst, slot.buf.data(), bytes, stream);
-    if (capturing) {
-      graph_owned_.push_back(std::move(slot.buf));
-      slot.buf = cuda::PinnedBuffer();
-      slot.in_flight = false;
-    } else {
-      slot.done.record(stream);
-      slot.in_flight = true;
-    }
+    slot.done.record(stream);
+    slot.in_flight = true;
+  }
+  // Makes sure a captured upload of up to `bytes` finds its spare ready.
+  void reserve_spare(size_t bytes) {
+    spare_bytes_ = std::max(spare_bytes_, bytes);
+    if (spare_.size() < spare_bytes_) spare_ = cuda::PinnedBuffer(spare_bytes_);
   }
 
  private:
@@ -109,8 +111,18 @@ class Uploader {
     next_ = (next_ + 1) % slots_.size();
     return oldest;
   }
+  void upload_captured(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+    cuda::PinnedBuffer buf = spare_.size() >= bytes ? std::move(spare_) : cuda::PinnedBuffer(bytes);
+    spare_ = cuda::PinnedBuffer();
+    std::memcpy(buf.data(), src, bytes);
+    cuda::copy_pinned_to_device_async(dst, buf.data(), bytes, stream);
+    graph_owned_.push_back(std::move(buf));
+    spare_bytes_ = std::max(spare_bytes_, bytes);  // the next capture finds one again
+  }
   std::vector<std::unique_ptr<Slot>> slots_;
   size_t next_ = 0;
+  cuda::PinnedBuffer spare_;
+  size_t spare_bytes_ = 0;
   std::vector<cuda::PinnedBuffer> graph_owned_;
 };
 
@@ -218,6 +230,7 @@ class CudaExecutor : public Executor {
     partials_ = std::move(partials);
     num_chunks_ = static_cast<long long>(chunks.size());
     words_dirty_ = false;
+    uploads_.reserve_spare(words_.size() * sizeof(uint64_t));
     compute_grid();
   }
 

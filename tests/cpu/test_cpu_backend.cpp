@@ -349,4 +349,42 @@ TEST(CpuBackend, FallbackInterpreterMatchesCompiledCode) {
 }
 
 }  // namespace
+// ---------------------------------------------------------------------------------------------
+// Bound hyperparameters (Optimizer::bind_hyper): read from memory at every step, as a torch tensor
+// lr that a scheduler fills in place. Stepping with a bound float64 lr that changes between steps
+// equals set_hyper of the same values, bit for bit; unbinding brings back the set_hyper value.
+
+TEST(CpuBackend, BoundHyperparameterIsReadAtEveryStep) {
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    SCOPED_TRACE(backend_name(backend));
+    const std::vector<TensorSpec> specs = {{1000, 0}, {37, 1}};
+    Optimizer bound(adamw({{"lr", 1e-3}}), backend, 2), set(adamw({{"lr", 1e-3}}), backend, 2);
+    HostTensorSet hb(bound.plan(), specs, DType::f32, 5), hs(set.plan(), specs, DType::f32, 5);
+    bound.set_tensors(hb.refs());
+    set.set_tensors(hs.refs());
+    double lr = 0;
+    float wd = 0.25f;
+    bound.bind_hyper(0, "lr", &lr, Optimizer::ScalarType::f64);
+    bound.bind_hyper(1, "weight_decay", &wd, Optimizer::ScalarType::f32);
+    set.set_hyper(1, "weight_decay", static_cast<double>(wd));
+    for (int s = 0; s < 4; ++s) {
+      hb.randomize_grads(40 + static_cast<uint64_t>(s));
+      hs.randomize_grads(40 + static_cast<uint64_t>(s));
+      lr = 0.01 * (s + 1);  // changed in memory only: no call into the optimizer
+      set.set_hyper(0, "lr", lr);
+      bound.step();
+      set.step();
+    }
+    EXPECT_EQ(max_relative_difference(hb, hs), 0.0);
+    bound.bind_hyper(0, "lr", nullptr);  // back to the last set_hyper value (1e-3)
+    set.set_hyper(0, "lr", 1e-3);
+    lr = 123.0;                          // no longer read
+    bound.step();
+    set.step();
+    EXPECT_EQ(max_relative_difference(hb, hs), 0.0);
+    EXPECT_GT(max_relative_difference(hb, HostTensorSet(bound.plan(), specs, DType::f32, 5)), 1e-3);  // it moved
+  }
+}
+
 }  // namespace optfuse
+

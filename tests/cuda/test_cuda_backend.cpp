@@ -293,28 +293,54 @@ TEST(CudaBackend, SetHyperBetweenGraphReplaysTakesEffectWithoutRecompiling) {
   EXPECT_FALSE(same_bytes(*keep.ha, *t.hb));
 }
 
-TEST(CudaBackend, SetGradPointersBetweenGraphReplays) {
+TEST(CudaBackend, CapturedStepKeepsTheGradientsItWasCapturedWith) {
   REQUIRE_GPU();
-  // The framework's pattern: one captured step, gradients that move between steps.
+  // A graph replays the pointers it was captured with, whatever eager steps pointed the table at
+  // in between (CUDA graph semantics; the captured step carries its own tensor-table upload).
   Twin t(adamw({{"lr", 1e-2}}), DType::f32, kSpecs);
+  HostTensorSet original = *t.hb;
   HostTensorSet other_grads = *t.hb;
   other_grads.randomize_grads(77);
   DeviceTensorSet other(other_grads, t.stream.get());
   cu::begin_capture(t.stream.get());
   t.b->step(t.in());
   cu::Graph graph = cu::end_capture(t.stream.get());
-  t.new_grads(5);
-  t.a->step(t.in());
-  graph.launch(t.stream.get());
   std::vector<const void*> grads;
   for (const TensorRef& r : other.refs()) grads.push_back(r.grad.data);
   t.b->set_grad_pointers(grads);
-  t.da->upload_role(other_grads, 1);  // the eager twin gets the same gradients by copy
+  t.b->step(t.in());            // eager: the other gradients
+  graph.launch(t.stream.get());  // replay: the captured ones again
+  t.da->upload_role(other_grads, 1);
   t.a->step(t.in());
-  graph.launch(t.stream.get());
+  t.da->upload_role(original, 1);
+  t.a->step(t.in());
   t.download();
-  for (size_t k = 0; k < t.hb->size(); ++k) t.hb->bytes(k, 1) = t.ha->bytes(k, 1);  // grads came from elsewhere
   EXPECT_TRUE(same_bytes(*t.ha, *t.hb));
+}
+
+TEST(CudaBackend, BoundHyperparameterIsReadAtEveryGraphReplay) {
+  REQUIRE_GPU();
+  // A scheduler's lr.fill_() on the stream between replays: the kernel reads the bound scalar.
+  Twin t(adamw({{"lr", 1e-3}}), DType::f32, kSpecs);
+  cu::DeviceBuffer lr(sizeof(float));
+  float v = 1e-3f;
+  cu::copy_to_device(lr.ptr(), &v, sizeof v, t.stream.get());
+  t.b->bind_hyper(0, "lr", reinterpret_cast<const void*>(lr.ptr()), Optimizer::ScalarType::f32);
+  t.a->set_hyper(0, "lr", static_cast<double>(v));
+  cu::begin_capture(t.stream.get());
+  t.b->step(t.in());
+  cu::Graph graph = cu::end_capture(t.stream.get());
+  for (int s = 0; s < 3; ++s) {
+    t.new_grads(300 + static_cast<uint64_t>(s));
+    v = 1e-3f * static_cast<float>(s + 2);
+    cu::copy_to_device(lr.ptr(), &v, sizeof v, t.stream.get());
+    t.a->set_hyper(0, "lr", static_cast<double>(v));
+    t.a->step(t.in());
+    graph.launch(t.stream.get());
+  }
+  t.download();
+  EXPECT_TRUE(same_bytes(*t.ha, *t.hb));
+  EXPECT_EQ(t.b->step_count(0), 3);
 }
 
 TEST(CudaBackend, GradScalerContract) {

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The training-loop issue's checks on the H200 in one call of the `run` tool (carry .devdeps):
+#   build; C++ CUDA tests; the Python suite (CUDA available, failures summarised); the training-loop
+#   benchmark against torch (host time, never-waits check, GPU time, CUDA graph; --compile optional).
+# Usage: dev/h200_training_loop.sh [part ...]   parts: build cxx python bench compile (default: all but compile)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
+parts=${*:-build cxx python bench}
+has() { [[ " $parts " == *" $1 "* ]]; }
+step() { echo "== $* ($(date +%T))" | tee -a "$out/summary.log"; }
+if has build; then
+  step build
+  dev/device_build.sh >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  python3 -m pip install -q --no-build-isolation --no-deps . >"$out/pip.log" 2>&1 || tail -30 "$out/pip.log"
+fi
+if has cxx; then
+  step test_cuda
+  timeout 240 ./build-device/test_cuda >"$out/test_cuda.log" 2>&1
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|exception" "$out/test_cuda.log" | tail -30 | tee -a "$out/summary.log"
+fi
+if has python; then
+  step "pytest (CUDA available)"
+  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${PYTEST_ARGS:-tests/python} >"$out/pytest.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40 | tee -a "$out/summary.log"
+fi
+if has bench; then
+  step "training loop vs torch"
+  timeout ${BENCH_TIMEOUT:-200} python3 bench/training_loop.py --json "$out/training_loop.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/summary.log"
+fi
+if has compile; then
+  step "training loop, torch.compile"
+  timeout 240 python3 bench/training_loop.py --workloads gpt2-small --compile --json "$out/training_loop_compile.json" 2>&1 | tee -a "$out/summary.log"
+fi
+step done
