@@ -289,7 +289,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             engine.chain_text = text
             entries = []
             for p, grad, tg, w in items:
-                st = self.state[p]
+                # torch keeps no state entry for a parameter whose optimizer holds none (SGD
+                # without momentum): neither do we, so state dicts have the same keys.
+                st = self.state[p] if (engine.state_names or self._step_in_state) else self.state.get(p, {})
                 step = self._adjust_step(st, self._step_of(p), engine)
                 self._steps[p] = step
                 states = self._states_for(p, st, engine)
