@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every test: sets up, builds, runs the C++ suites (ctest), the install check (an outside project
-# using find_package(optfuse)), then installs the Python package and runs pytest. Tests that need a
-# GPU skip with a reason where there is none.
+# Every test: sets up, builds, runs the C++ suites (ctest), the same suites under ASan/UBSan
+# (build-asan), the install check (an outside project using find_package(optfuse)), then installs
+# the Python package and runs pytest. Tests that need a GPU skip with a reason where there is none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # CMake finds the CUDA toolkit (headers for types, NVRTC) through nvcc on PATH.
@@ -9,6 +9,16 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
+# The C++ suites again, built with AddressSanitizer (+LeakSanitizer) and UndefinedBehaviorSanitizer
+# in build-asan, optimised with debug info so that the suites stay fast (on 2 cores: build 8.5 min,
+# ctest 70 s). The kernels the CPU backend compiles at run time are not instrumented.
+# protect_shadow_gap=0: the CUDA driver maps memory where ASan reserves its shadow gap, so on a GPU
+# host cuInit fails (CUDA_ERROR_OUT_OF_MEMORY) and the GPU tests would skip; with it they run
+# (checked on an H200). Without a GPU it changes nothing.
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOPTFUSE_SANITIZE=address,undefined >/dev/null
+cmake --build build-asan
+ASAN_OPTIONS=detect_leaks=1:protect_shadow_gap=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  ctest --test-dir build-asan --output-on-failure -j"$(nproc)"
 tests/install/run_install_test.sh
 python3 -m pip install -q --no-build-isolation .
 python3 -m pytest -q tests/python

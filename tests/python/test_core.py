@@ -185,6 +185,116 @@ def test_set_tensors_errors():
         o.set_hyper(0, "lrr", 1.0)
 
 
+class DLPackOnly:
+    """An array seen only through DLPack (no .flags, no buffer protocol): the export decides."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kwargs):
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def test_read_only_params_and_states_are_refused():
+    spec = "adam(lr=0.1)"
+    o = optfuse.Optimizer(spec, "cpu")
+    p, g, st = make_set(spec, [(4, 6)])[0]
+    before = [x.copy() for x in (p, g, *st)]
+
+    def untouched():
+        return all(np.array_equal(x, y) for x, y in zip((p, g, *st), before))
+
+    # A read-only NumPy parameter.
+    with pytest.raises(optfuse.OptfuseError, match=r"tensor 0: param is read-only \(its flags.writeable is False\); "
+                                                   r"the optimizer writes parameters and states in place"):
+        o.set_tensors([(read_only(p.copy()), g, st)])
+    # A read-only state (the second one), in a later tensor.
+    with pytest.raises(optfuse.OptfuseError, match=r"tensor 1: state .* is read-only.*writes parameters and states in place"):
+        o.set_tensors([(p, g, st), (p.copy(), g.copy(), [st[0].copy(), read_only(st[1].copy())])])
+    # A DLPack export flagged read-only (DLPack >= 1.0, DLPACK_FLAG_BITMASK_READ_ONLY): NumPy flags
+    # the export of a read-only array; the wrapper hides .flags, so only the flag can tell.
+    with pytest.raises(optfuse.OptfuseError, match=r"param is read-only \(its DLPack export is flagged read-only"):
+        o.set_tensors([(DLPackOnly(read_only(p.copy())), g, st)])
+    with pytest.raises(optfuse.OptfuseError, match=r"state .* is read-only \(its DLPack export"):
+        o.set_tensors([(p, g, [DLPackOnly(read_only(st[0].copy())), st[1]])])
+    # Nothing was kept: stepping the optimizer (which has no tensors) leaves the arrays as they were.
+    o.step()
+    assert untouched()
+
+    # The same arrays through the same wrapper but writable are accepted and updated in place.
+    wp = p.copy()
+    o.set_tensors([(DLPackOnly(wp), g, [DLPackOnly(s) for s in st])])
+    o.step()
+    assert not np.array_equal(wp, p)
+    assert all(not np.array_equal(s, b) for s, b in zip(st, before[2:]))
+
+
+def test_read_only_grad_is_accepted_and_stepped():
+    spec = "sgd(lr=0.5)"
+    p, g, st = make_set(spec, [(3, 5)])[0]
+    p0, g0 = p.copy(), g.copy()
+    o = optfuse.Optimizer(spec, "cpu")
+    o.set_tensors([(p, read_only(g), st)])  # gradients are only read
+    o.step()
+    o.step()
+    np.testing.assert_allclose(p, p0 - 2 * 0.5 * g0, rtol=1e-6, atol=1e-6)
+    assert np.array_equal(g, g0) and not g.flags.writeable and o.step_count(0) == 2
+    # A gradient whose DLPack export is flagged read-only is fine too.
+    o.set_tensors([(p, DLPackOnly(g), st)])
+    o.step()
+    np.testing.assert_allclose(p, p0 - 3 * 0.5 * g0, rtol=1e-6, atol=1e-6)
+
+
+def test_jax_like_arrays_are_refused_by_type():
+    """JAX arrays are immutable, but their DLPack export is not flagged read-only: the type's module
+    (jax... or jaxlib...) is what tells. A stand-in class with that module over a writable NumPy
+    array shows the check without JAX installed."""
+    spec = "adam(lr=0.1)"
+    o = optfuse.Optimizer(spec, "cpu")
+    p, g, st = make_set(spec, [(8,)])[0]
+    p0 = p.copy()
+    for module in ("jaxlib._jax", "jaxlib.xla_extension", "jax", "jax._src.array"):
+        fake = type("ArrayImpl", (DLPackOnly,), {"__module__": module})
+        with pytest.raises(optfuse.OptfuseError, match=r"param is a JAX array \(.*ArrayImpl\); JAX arrays are immutable"):
+            o.set_tensors([(fake(p), g, st)])
+        with pytest.raises(optfuse.OptfuseError, match=r"state .* is a JAX array.*writes parameters and states in place"):
+            o.set_tensors([(p, g, [st[0], fake(st[1])])])
+        o.set_tensors([(p, fake(g), st)])  # a JAX gradient is only read
+    # A module that merely starts with the letters "jax" is not JAX.
+    other = type("Array", (DLPackOnly,), {"__module__": "jaxtyping_like"})
+    o.set_tensors([(other(p), g, st)])
+    o.step()
+    assert not np.array_equal(p, p0)
+
+
+def test_jax_arrays_are_refused():
+    jax = pytest.importorskip("jax", reason="jax is not installed: real JAX arrays untested (the stand-in test covers the check)")
+    jnp = jax.numpy
+    spec = "adam(lr=0.1)"
+    o = optfuse.Optimizer(spec, "cpu")
+    cpu = jax.devices("cpu")[0]  # host arrays for the cpu backend (JAX puts arrays on a GPU when it has one)
+    p = jax.device_put(jnp.ones((4,), jnp.float32), cpu)
+    g = jax.device_put(jnp.full((4,), 0.5, jnp.float32), cpu)
+    st = [jax.device_put(jnp.zeros((4,), jnp.float32), cpu) for _ in range(2)]
+    with pytest.raises(optfuse.OptfuseError, match="param is a JAX array.*immutable"):
+        o.set_tensors([(p, g, st)])
+    with pytest.raises(optfuse.OptfuseError, match="state .* is a JAX array.*immutable"):
+        o.set_tensors([(np.ones(4, np.float32), g, st)])
+    # A JAX gradient is only read: accepted, and the JAX arrays are unchanged after the step.
+    pn = np.ones(4, np.float32)
+    o.set_tensors([(pn, g, [np.zeros(4, np.float32), np.zeros(4, np.float32)])])
+    o.step()
+    assert np.all(pn < 1) and np.all(np.asarray(g) == 0.5) and np.all(np.asarray(p) == 1)
+
+
 def test_cuda_backend_unavailable_is_reported():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
