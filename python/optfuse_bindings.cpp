@@ -34,7 +34,8 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Errors: optfuse::BackendUnavailable -> optfuse.BackendUnavailable (RuntimeError),
-// any other optfuse::Error -> optfuse.OptfuseError (ValueError).
+// any other optfuse::Error -> optfuse.OptfuseError (a ValueError, and a RuntimeError too: torch
+// raises RuntimeError for what a refused step or CUDA graph capture is, so callers catch either).
 
 PyObject* g_error = nullptr;
 PyObject* g_backend_unavailable = nullptr;
@@ -629,9 +630,10 @@ NB_MODULE(_core, m) {
   // exit, and nanobind would report it as a leak. That is expected, not a reference-count bug.
   nb::set_leak_warnings(false);
 
+  nb::object error_bases = nb::make_tuple(nb::handle(PyExc_ValueError), nb::handle(PyExc_RuntimeError));
   g_error = PyErr_NewExceptionWithDoc("optfuse.OptfuseError",
                                       "Bad input to optfuse: an unknown name, an invalid value, mismatched tensors.",
-                                      PyExc_ValueError, nullptr);
+                                      error_bases.ptr(), nullptr);
   g_backend_unavailable = PyErr_NewExceptionWithDoc(
       "optfuse.BackendUnavailable", "The backend cannot run here (no GPU, driver, NVRTC or host compiler).",
       PyExc_RuntimeError, nullptr);
