@@ -111,6 +111,15 @@ std::string cpu_model() {
   return "unknown CPU";
 }
 
+// Records one copy method's bandwidth; the fastest method sets the floor (CPU and CUDA alike).
+void record_copy_method(Result& r, const std::string& name, double bps) {
+  r.copy_methods.emplace_back(name, bps);
+  if (bps > r.copy_bps) {
+    r.copy_bps = bps;
+    r.copy_method = name;
+  }
+}
+
 // The strongest plain copy we know how to write, so that the floor is one: streaming
 // (non-temporal) stores -- a copy with ordinary stores also reads every destination line first
 // (write-allocate), moving 3 bytes per 2 counted, which an in-place optimizer step never pays --
@@ -190,12 +199,7 @@ void measure_cpu_copy(size_t total, int runs, Result& r, Progress& progress) {
       if (i > 0) t.push_back(seconds_since(t0));
       progress.update("copy", ++done, 2 * (runs + 1));
     }
-    double bps = 2.0 * static_cast<double>(half) / median(t);
-    r.copy_methods.emplace_back(m.name, bps);
-    if (bps > r.copy_bps) {
-      r.copy_bps = bps;
-      r.copy_method = m.name;
-    }
+    record_copy_method(r, m.name, 2.0 * static_cast<double>(half) / median(t));
   }
   r.copy_runs = runs;
   std::free(src);
@@ -316,12 +320,7 @@ void bench_cuda(const Chain& chain, const testing::Workload& w, DType dtype, int
         if (i > 0) t.push_back(ms * 1e-3);
         progress.update("copy", ++done, 2 * (runs + 1));
       }
-      double bps = 2.0 * static_cast<double>(half) / median(t);
-      r.copy_methods.emplace_back(m.name, bps);
-      if (bps > r.copy_bps) {
-        r.copy_bps = bps;
-        r.copy_method = m.name;
-      }
+      record_copy_method(r, m.name, 2.0 * static_cast<double>(half) / median(t));
     }
     r.copy_runs = runs;
   }
