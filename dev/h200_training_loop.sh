@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The training-loop issue's checks on the H200 in one call of the `run` tool (carry .devdeps):
 #   build; C++ CUDA tests; the Python suite (CUDA available, failures summarised); the training-loop
-#   benchmark against torch (host time, never-waits check, GPU time, CUDA graph; --compile optional).
-# Usage: dev/h200_training_loop.sh [part ...]   parts: build cxx python bench compile (default: all but compile)
+#   benchmark against torch (host time, never-waits check, GPU time, CUDA graph; --compile optional);
+#   optimizers: bench/optimizers_vs_torch.py (OPT_ARGS).
+# Usage: dev/h200_training_loop.sh [part ...]   parts: build cxx python bench optimizers compile (default: all but compile)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -29,6 +30,10 @@ fi
 if has bench; then
   step "training loop vs torch"
   timeout ${BENCH_TIMEOUT:-200} python3 bench/training_loop.py --json "$out/training_loop.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/summary.log"
+fi
+if has optimizers; then
+  step "optimizers vs torch"
+  timeout ${OPT_TIMEOUT:-240} python3 bench/optimizers_vs_torch.py --json "$out/optimizers_vs_torch.json" ${OPT_ARGS:-} 2>&1 | tee -a "$out/summary.log"
 fi
 if has compile; then
   step "training loop, torch.compile"

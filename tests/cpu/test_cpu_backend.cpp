@@ -94,6 +94,7 @@ const std::vector<CpuCase>& cases() {
       {"adagrad(lr=0.1, lr_decay=0.3, weight_decay=0.1, initial_accumulator_value=0.5, maximize=true)"},
       // Per-tensor reductions (trust ratios), with and without the global clip.
       {"lamb(lr=0.1)"},
+      {"chain(scale_by_lamb(), scale_by_learning_rate(0.1))"},
       {"lamb(lr=0.1, weight_decay=0.1, decoupled_decay=true, trust_clip=true, max_grad_norm=0)"},
       {"lamb(lr=0.1, weight_decay=0, always_adapt=true, bias_correction=false, grad_averaging=false)"},
       {"lamb(lr=0.1, weight_decay=0.1, decoupled_decay=true, max_lr=0.2)"},

@@ -9,7 +9,20 @@ import optfuse
 import optfuse.torch as oft
 from conftest import make_model, rel_diff, train, twin
 
-timm_optim = pytest.importorskip("timm.optim", reason="timm is not installed (pip install timm): it is the reference")
+try:
+    import timm.optim as timm_optim
+except ImportError as e:  # timm, or torchvision which it imports
+    timm_optim = None
+    TIMM_MISSING = f"timm.optim cannot be imported ({e}): it is the reference (scripts/setup.sh installs it)"
+if timm_optim is not None:
+    import inspect
+
+    import timm
+    if "corrected_weight_decay" not in inspect.signature(timm_optim.Lamb).parameters:
+        TIMM_MISSING = (f"timm {timm.__version__} predates the Lamb options optfuse follows (decoupled_decay, "
+                        "corrected_weight_decay); scripts/setup.sh installs the newest")
+        timm_optim = None
+needs_timm = pytest.mark.skipif(timm_optim is None, reason=TIMM_MISSING if timm_optim is None else "")
 
 STEPS = 20
 F32_TOL = 1e-6
@@ -34,7 +47,10 @@ GRID = [
 
 
 def reference(name, params, kw):
-    return getattr(timm_optim, name)(params, foreach=False, **kw)
+    cls = getattr(timm_optim, name)
+    import inspect
+    loop = {"foreach": False} if "foreach" in inspect.signature(cls).parameters else {}  # older timm: loop only
+    return cls(params, **loop, **kw)
 
 
 def case_id(case):
@@ -42,6 +58,7 @@ def case_id(case):
     return name + "-" + "-".join(f"{k}={v}" for k, v in kw.items())
 
 
+@needs_timm
 @pytest.mark.parametrize("case", GRID, ids=[case_id(c) for c in GRID])
 def test_matches_timm(case, device):
     name, kw = case
@@ -57,6 +74,7 @@ def two_groups(model, **second):
     return [{"params": params[:2]}, {"params": params[2:], **second}]
 
 
+@needs_timm
 @pytest.mark.parametrize("name,second", [("Lamb", dict(weight_decay=0.0, lr=5e-3)),
                                          ("Lamb", dict(decoupled_decay=True, trust_clip=True)),
                                          ("Lars", dict(weight_decay=0.1, lr=0.2))])
@@ -70,6 +88,7 @@ def test_groups_with_other_options_match_timm(name, second, device):
     assert rel_diff(ours_model, ref_model) <= (CUDA_F32_TOL if device.type == "cuda" else F32_TOL)
 
 
+@needs_timm
 @pytest.mark.parametrize("name,kw", [("Lamb", dict(lr=1e-2, weight_decay=0.1)), ("Lars", dict(lr=0.5, momentum=0.9, weight_decay=0.01))])
 def test_state_dict_both_ways(name, kw, device):
     # timm -> optfuse after 7 steps, 8 more; and optfuse -> timm after 7 steps, 8 more: both equal 15 timm steps.
@@ -98,6 +117,23 @@ def test_state_dict_both_ways(name, kw, device):
     assert rel_diff(b, full) <= 2e-6
 
 
+def test_loads_state_dicts_of_older_timm_releases(device):
+    # timm before 1.0.20 wrote no decoupled_decay / corrected_weight_decay / max_lr_snapshot / caution keys.
+    model = make_model(device)
+    first = oft.Lamb(model.parameters(), lr=1e-2)
+    train(model, first, 3, device)
+    sd = first.state_dict()
+    for g in sd["param_groups"]:
+        for key in ("caution", "decoupled_decay", "corrected_weight_decay", "max_lr_snapshot", "foreach"):
+            del g[key]
+    again = oft.Lamb(model.parameters(), lr=1e-2)
+    again.load_state_dict(sd)
+    train(model, again, 2, device, start=3)
+    assert again.param_groups[0]["max_lr_snapshot"] == 1e-2
+    assert float(again.state_dict()["param_groups"][0]["step"]) == 5
+
+
+@needs_timm
 def test_scheduler_in_the_loop(device):
     ours_model = make_model(device)
     ref_model = twin(ours_model)
@@ -116,6 +152,18 @@ def test_bitwise_repeatable(name, device):
         train(m, getattr(oft, name)(m.parameters(), weight_decay=0.1), 5, device)
     for a, b in zip(*(m.parameters() for m in models)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available here: the CUDA-vs-CPU check needs a GPU")
+@pytest.mark.parametrize("case", GRID, ids=[case_id(c) for c in GRID])
+def test_cuda_matches_cpu(case):
+    # Without timm (the H200 has none): CUDA against optfuse's CPU backend, which matches timm above.
+    name, kw = case
+    cpu_model = make_model(torch.device("cpu"))
+    cuda_model = twin(cpu_model).cuda()
+    train(cpu_model, getattr(oft, name)(cpu_model.parameters(), **kw), STEPS, torch.device("cpu"))
+    train(cuda_model, getattr(oft, name)(cuda_model.parameters(), **kw), STEPS, torch.device("cuda"))
+    assert rel_diff(cuda_model.cpu(), cpu_model) <= CUDA_F32_TOL
 
 
 def test_refusals():

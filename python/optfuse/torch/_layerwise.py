@@ -77,6 +77,21 @@ class Lamb(FusedOptimizer):
                                "set: the global gradient norm would be computed per device. Put the parameters on "
                                "one device, or pass max_grad_norm=None.")
 
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._fill_missing_options()
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._fill_missing_options()
+
+    def _fill_missing_options(self):
+        # State dicts of older timm releases lack the newer options (timm's own __setstate__ does this too).
+        for g in self.param_groups:
+            for key, value in (("caution", False), ("decoupled_decay", False), ("corrected_weight_decay", False),
+                               ("max_lr_snapshot", self.defaults["max_lr_snapshot"]), ("foreach", None)):
+                g.setdefault(key, value)
+
     def state_dict(self):
         self._sync_steps()
         for g in self.param_groups:
