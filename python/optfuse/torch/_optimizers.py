@@ -1,12 +1,14 @@
-"""Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, and Lion (as
-lion-pytorch), built from optfuse's registry of named optimizers (the same chains as C++ and SPEC
+"""Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
+Rprop, ASGD, and Lion (as lion-pytorch), built from optfuse's registry of named optimizers (the same chains as C++ and SPEC
 text). Constructor arguments, defaults and validation are torch's own: each class asks the torch
 class it replaces for its defaults dict, so param_groups and state_dict have exactly torch's keys
 for the installed torch version (`foreach`, `fused` and `capturable` are kept but ignored)."""
+import math
+
 import torch
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError
+from ._base import FusedOptimizer, OptfuseError, _dynamo_opaque, _plain, _scalar_dtype
 
 
 def _torch_defaults(cls, kwargs):
@@ -219,3 +221,300 @@ class Lion(FusedOptimizer):
     def _hypers(self, g):
         b1, b2 = g["betas"]
         return {"lr": g["lr"], "b1": b1, "b2": b2, "weight_decay": g["weight_decay"]}
+
+
+class RAdam(FusedOptimizer):
+    __doc__ = "Fused drop-in for torch.optim.RAdam (same arguments and defaults)."
+    _sig_keys = ("lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, decoupled_weight_decay=False, *,
+                 foreach=None, maximize=False, capturable=False, differentiable=False):
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
+                  foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable)
+        _reject("RAdam", kw)
+        super().__init__(params, _torch_defaults(torch.optim.RAdam, kw))
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for g in self.param_groups:  # as torch.optim.RAdam: state dicts of versions before the option
+            g.setdefault("decoupled_weight_decay", False)
+
+    def _structure(self, g):
+        return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
+
+    def _features(self, g):
+        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+
+    def _make_chain(self, key, features, groups):
+        maximize, decoupled = key
+        g = groups[0]
+        b1, b2 = (float(b) for b in g["betas"])
+        return _core.make_builtin("radam", lr=float(g["lr"]), betas=(b1, b2), eps=float(g["eps"]),
+                                  weight_decay=_wd_arg(features, groups), decoupled_weight_decay=decoupled,
+                                  maximize=maximize)
+
+    def _hypers(self, g):
+        b1, b2 = g["betas"]
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
+
+
+class Adamax(FusedOptimizer):
+    __doc__ = "Fused drop-in for torch.optim.Adamax (same arguments and defaults)."
+    _sig_keys = ("lr", "betas", "eps", "weight_decay", "maximize")
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
+                 maximize=False, differentiable=False, capturable=False):
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, maximize=maximize,
+                  differentiable=differentiable, capturable=capturable)
+        _reject("Adamax", kw)
+        super().__init__(params, _torch_defaults(torch.optim.Adamax, kw))
+
+    def _structure(self, g):
+        return (bool(g["maximize"]),)
+
+    def _features(self, g):
+        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+
+    def _make_chain(self, key, features, groups):
+        (maximize,) = key
+        g = groups[0]
+        b1, b2 = (float(b) for b in g["betas"])
+        return _core.make_builtin("adamax", lr=float(g["lr"]), betas=(b1, b2), eps=float(g["eps"]),
+                                  weight_decay=_wd_arg(features, groups), maximize=maximize)
+
+    def _hypers(self, g):
+        b1, b2 = g["betas"]
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
+
+
+class Adadelta(FusedOptimizer):
+    __doc__ = "Fused drop-in for torch.optim.Adadelta (same arguments and defaults)."
+    _sig_keys = ("lr", "rho", "eps", "weight_decay", "maximize")
+
+    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
+                 maximize=False, differentiable=False):
+        kw = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, foreach=foreach, capturable=capturable,
+                  maximize=maximize, differentiable=differentiable)
+        _reject("Adadelta", kw)
+        super().__init__(params, _torch_defaults(torch.optim.Adadelta, kw))
+
+    def _structure(self, g):
+        return (bool(g["maximize"]),)
+
+    def _features(self, g):
+        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+
+    def _make_chain(self, key, features, groups):
+        (maximize,) = key
+        g = groups[0]
+        return _core.make_builtin("adadelta", lr=float(g["lr"]), rho=float(g["rho"]), eps=float(g["eps"]),
+                                  weight_decay=_wd_arg(features, groups), maximize=maximize)
+
+    def _hypers(self, g):
+        return {"lr": g["lr"], "rho": g["rho"], "eps": g["eps"], "weight_decay": g["weight_decay"]}
+
+
+class Rprop(FusedOptimizer):
+    """Fused drop-in for torch.optim.Rprop (same arguments and defaults). A parameter's step sizes
+    start at the group's lr on its first step, as in torch; later lr changes do not affect them."""
+    _sig_keys = ("lr", "etas", "step_sizes", "maximize")
+
+    def __init__(self, params, lr=1e-2, etas=(0.5, 1.2), step_sizes=(1e-6, 50), *, capturable=False, foreach=None,
+                 maximize=False, differentiable=False):
+        kw = dict(lr=lr, etas=etas, step_sizes=step_sizes, capturable=capturable, foreach=foreach, maximize=maximize,
+                  differentiable=differentiable)
+        _reject("Rprop", kw)
+        super().__init__(params, _torch_defaults(torch.optim.Rprop, kw))
+
+    def _structure(self, g):
+        return (bool(g["maximize"]),)
+
+    def _make_chain(self, key, features, groups):
+        (maximize,) = key
+        g = groups[0]
+        etaminus, etaplus = (float(e) for e in g["etas"])
+        lo, hi = (float(s) for s in g["step_sizes"])
+        return _core.make_builtin("rprop", lr=float(g["lr"]), etas=(etaminus, etaplus), step_sizes=(lo, hi),
+                                  maximize=maximize)
+
+    def _hypers(self, g):
+        etaminus, etaplus = g["etas"]
+        lo, hi = g["step_sizes"]
+        return {"lr": g["lr"], "etaminus": etaminus, "etaplus": etaplus, "step_size_min": lo, "step_size_max": hi}
+
+
+def _asgd_eta(lr, lambd, alpha, t):
+    """The eta torch's ASGD stores at the end of step t (a Python float, stored as float32)."""
+    return lr / ((1 + lambd * lr * t) ** alpha)
+
+
+def _as_float32(x):
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _solve_eta_lr(eta, lambd, alpha, t):
+    """The lr x with float32(_asgd_eta(x, lambd, alpha, t)) == eta, or None. x / (1 + c x)^alpha
+    (c = lambd t) increases with x up to x = 1 / ((alpha - 1) c) (everywhere when alpha <= 1)."""
+    if not (eta > 0 and math.isfinite(eta)):
+        return None
+    c = lambd * t
+    if c == 0 or alpha == 0:
+        return eta if _as_float32(eta) == eta else None
+    top = math.inf if alpha <= 1 else 1 / ((alpha - 1) * c)
+    lo, hi = 0.0, eta
+    while _asgd_eta(hi, lambd, alpha, t) < eta:
+        if hi >= top or hi > 1e300:
+            return None
+        lo, hi = hi, min(2 * hi, top)
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if _asgd_eta(mid, lambd, alpha, t) < eta:
+            lo = mid
+        else:
+            hi = mid
+    for x in (hi, lo):
+        if _as_float32(_asgd_eta(x, lambd, alpha, t)) == eta:
+            return x
+    return None
+
+
+class ASGD(FusedOptimizer):
+    """Fused drop-in for torch.optim.ASGD (same arguments and defaults, state step, eta, mu, ax).
+
+    torch keeps eta and mu as per-parameter scalars that it recomputes at the end of every step from
+    the step count and the group's lr, lambd, alpha and t0. Here the kernel computes them from the
+    step count: the eta of step t from the lr of the previous step (kept per group: `eta_lr`), as
+    torch does; state_dict() writes eta and mu (and loading one, or fuse(), recovers that lr from
+    the eta tensors). docs/python.md lists where this can differ from torch."""
+
+    _sig_keys = ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize")
+
+    def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0, foreach=None, maximize=False,
+                 differentiable=False, capturable=False):
+        kw = dict(lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, foreach=foreach,
+                  maximize=maximize, differentiable=differentiable, capturable=capturable)
+        _reject("ASGD", kw)
+        super().__init__(params, _torch_defaults(torch.optim.ASGD, kw))
+
+    def _structure(self, g):
+        return (bool(g["maximize"]),)
+
+    def _features(self, g):
+        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+
+    def _make_chain(self, key, features, groups):
+        (maximize,) = key
+        g = groups[0]
+        return _core.make_builtin("asgd", lr=float(g["lr"]), lambd=float(g["lambd"]), alpha=float(g["alpha"]),
+                                  t0=float(g["t0"]), weight_decay=_wd_arg(features, groups), maximize=maximize)
+
+    def _hypers(self, g):
+        return {"lr": g["lr"], "lambd": g["lambd"], "alpha": g["alpha"], "t0": g["t0"],
+                "weight_decay": g["weight_decay"], "eta_lr": self._eta_lr_of(g)}
+
+    # --- eta_lr: per torch group (keyed by the group dict's id), the lr of its last step
+    def _eta_lrs(self):
+        d = self.__dict__.get("_asgd_eta_lr")
+        if d is None:
+            d = self.__dict__["_asgd_eta_lr"] = {}
+        return d
+
+    def _eta_lr_of(self, g):
+        d = self._eta_lrs()
+        if id(g) not in d:
+            d[id(g)] = self._derive_eta_lr(g)
+        return d[id(g)]
+
+    def _derive_eta_lr(self, g):
+        """For a group met for the first time (new optimizer, load_state_dict, fuse, unpickling): the
+        lr its parameters' eta tensors were computed with; the group's lr if that reproduces them."""
+        lr = g["lr"]
+        lambd, alpha = float(g["lambd"]), float(g["alpha"])
+        found, latest = None, 0
+        for p in g["params"]:
+            st = self.state.get(p)
+            if not st or "eta" not in st or "step" not in st:
+                continue
+            t = float(_plain(st["step"]))
+            if t < 1 or t < latest:
+                continue
+            eta = float(st["eta"])
+            if _as_float32(_asgd_eta(float(_plain(lr)), lambd, alpha, t)) == eta:
+                x = None
+            else:
+                x = _solve_eta_lr(eta, lambd, alpha, t)
+            found, latest = x, t
+        if found is None:
+            return lr.detach().clone() if torch.is_tensor(lr) else float(lr)
+        if torch.is_tensor(lr):
+            return torch.full_like(lr, found)
+        return found
+
+    def _advance_eta_lr(self, found_inf):
+        """After a step: each group's eta_lr becomes the lr that step used."""
+        d = self._eta_lrs()
+        for i, g in enumerate(self.param_groups):
+            lr, h = g["lr"], d.get(id(g))
+            if torch.is_tensor(lr):
+                if not torch.is_tensor(h) or h.shape != lr.shape or h.device != lr.device:
+                    h = d[id(g)] = lr.detach().clone()
+                elif found_inf is not None and torch.is_tensor(found_inf) and found_inf.device == h.device:
+                    h.copy_(torch.where(found_inf.reshape(()) != 0, h, lr.detach().to(h.dtype)))
+                else:
+                    h.copy_(lr.detach())
+            else:
+                h = d[id(g)] = float(lr)
+            for e in self._engines.values():
+                e.push_hypers(i, {"eta_lr": h})
+
+    @_dynamo_opaque
+    def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        loss = FusedOptimizer.step(self, closure, grad_scale=grad_scale, found_inf=found_inf)
+        self._advance_eta_lr(found_inf if found_inf is not None else getattr(self, "found_inf", None))
+        return loss
+
+    step.hooked = True
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self.__dict__["_asgd_eta_lr"] = {}  # recovered from the loaded eta tensors at the next step
+
+    def _group_of(self, p):
+        cache = self.__dict__.get("_asgd_group_of")
+        if cache is None or id(p) not in cache:
+            cache = self.__dict__["_asgd_group_of"] = {id(q): g for g in self.param_groups for q in g["params"]}
+        return cache[id(p)]
+
+    def _states_for(self, p, st, engine):
+        if "eta" not in st:  # torch's order and initial values: step 0, eta = lr, mu = 1, ax = 0
+            if "step" not in st:
+                st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
+            lr = _plain(self._group_of(p)["lr"])
+            st["eta"] = torch.as_tensor(lr, device=p.device, dtype=_scalar_dtype()).clone().detach()
+            st["mu"] = torch.ones((), device=p.device, dtype=_scalar_dtype())
+        return super()._states_for(p, st, engine)
+
+    def _sync_steps(self, write_state=False):
+        # state_dict() calls this with write_state=True: eta and mu are refreshed with step
+        super()._sync_steps(write_state)
+        if not write_state:
+            return
+        for g in self.param_groups:
+            lambd, alpha, t0 = float(g["lambd"]), float(g["alpha"]), float(g["t0"])
+            elr = float(_plain(self._eta_lr_of(g)))
+            for p in g["params"]:
+                st = self.state.get(p)
+                if not st or "step" not in st:
+                    continue
+                if st["step"].device != p.device:  # torch keeps ASGD's step on the parameter's device
+                    st["step"] = st["step"].to(p.device)
+                t = float(st["step"])
+                eta = _asgd_eta(elr, lambd, alpha, t) if t > 0 else float(_plain(g["lr"]))
+                mu = 1 / max(1, t - t0) if t > 0 else 1.0
+                for key, value in (("eta", eta), ("mu", mu)):
+                    if torch.is_tensor(st.get(key)):
+                        st[key].copy_(torch.as_tensor(value))
+                    else:
+                        st[key] = torch.as_tensor(value, device=p.device, dtype=_scalar_dtype())
