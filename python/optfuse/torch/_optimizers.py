@@ -383,11 +383,13 @@ def _solve_eta_lr(eta, lambd, alpha, t):
 class ASGD(FusedOptimizer):
     """Fused drop-in for torch.optim.ASGD (same arguments and defaults, state step, eta, mu, ax).
 
-    torch keeps eta and mu as per-parameter scalars that it recomputes at the end of every step from
-    the step count and the group's lr, lambd, alpha and t0. Here the kernel computes them from the
-    step count: the eta of step t from the lr of the previous step (kept per group: `eta_lr`), as
-    torch does; state_dict() writes eta and mu (and loading one, or fuse(), recovers that lr from
-    the eta tensors). docs/python.md lists where this can differ from torch."""
+    torch keeps eta and mu as per-parameter scalars that it recomputes at the end of every step
+    from the new step count and the group's lr, lambd, alpha and t0. The kernel computes them from
+    the step count instead (rule averaged_sgd); the one input that is not in the group is the lr of
+    a parameter's previous step, which torch's eta was computed with: this class keeps it (per
+    group after each step, per parameter when the tables change, and from the eta tensors after
+    load_state_dict or fuse()) and hands it to the kernel as the hyperparameter eta_lr.
+    state_dict() writes eta and mu. docs/python.md lists where this can still differ from torch."""
 
     _sig_keys = ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize")
 
@@ -412,55 +414,85 @@ class ASGD(FusedOptimizer):
 
     def _hypers(self, g):
         return {"lr": g["lr"], "lambd": g["lambd"], "alpha": g["alpha"], "t0": g["t0"],
-                "weight_decay": g["weight_decay"], "eta_lr": self._eta_lr_of(g)}
+                "weight_decay": g["weight_decay"], "eta_lr": self._group_eta_lr(g)}
 
-    # --- eta_lr: per torch group (keyed by the group dict's id), the lr of its last step
-    def _eta_lrs(self):
-        d = self.__dict__.get("_asgd_eta_lr")
+    # --- the lr of each parameter's previous step ------------------------------------------------
+    # Three records, none of them in torch's state format (so all rebuilt after unpickling):
+    #   _asgd_group_lr   id(group) -> the group's lr at the last step() (a float, or a tensor kept
+    #                    up to date in place when lr is a tensor): right for every parameter that
+    #                    stepped then, i.e. every parameter of the tables as they are;
+    #   _asgd_stepped    the tables that last step used (the engines' lists, which a rebuild
+    #                    replaces rather than changes);
+    #   _asgd_param_lr   param -> the lr of its last step, for parameters that have left the tables.
+    def _records(self, name):
+        d = self.__dict__.get(name)
         if d is None:
-            d = self.__dict__["_asgd_eta_lr"] = {}
+            d = self.__dict__[name] = {}
         return d
 
-    def _eta_lr_of(self, g):
-        d = self._eta_lrs()
-        if id(g) not in d:
-            d[id(g)] = self._derive_eta_lr(g)
+    def _group_eta_lr(self, g):
+        d = self._records("_asgd_group_lr")
+        if id(g) not in d:  # before a first step: a parameter's first step uses lr, not eta_lr
+            lr = g["lr"]
+            d[id(g)] = lr.detach().clone() if torch.is_tensor(lr) else float(lr)
         return d[id(g)]
 
-    def _derive_eta_lr(self, g):
-        """For a group met for the first time (new optimizer, load_state_dict, fuse, unpickling): the
-        lr its parameters' eta tensors were computed with; the group's lr if that reproduces them."""
-        lr = g["lr"]
-        lambd, alpha = float(g["lambd"]), float(g["alpha"])
-        found, latest = None, 0
-        for p in g["params"]:
-            st = self.state.get(p)
-            if not st or "eta" not in st or "step" not in st:
-                continue
-            t = float(_plain(st["step"]))
-            if t < 1 or t < latest:
-                continue
-            eta = float(st["eta"])
-            if _as_float32(_asgd_eta(float(_plain(lr)), lambd, alpha, t)) == eta:
-                x = None
-            else:
-                x = _solve_eta_lr(eta, lambd, alpha, t)
-            found, latest = x, t
-        if found is None:
-            return lr.detach().clone() if torch.is_tensor(lr) else float(lr)
-        if torch.is_tensor(lr):
-            return torch.full_like(lr, found)
-        return found
+    def _stepped_last(self):
+        """(param, torch group index) of every parameter the last step() updated."""
+        for params, group_of, groups in self.__dict__.get("_asgd_stepped") or ():
+            for p, gi in zip(params, group_of):
+                yield p, groups[gi][0]
 
-    def _advance_eta_lr(self, found_inf):
-        """After a step: each group's eta_lr becomes the lr that step used."""
-        d = self._eta_lrs()
+    def _param_eta_lr(self, p, tg, stepped):
+        """The lr p's eta was computed with, or None when its state's eta is still right as it is."""
+        if id(p) in stepped:
+            return self._group_eta_lr(self.param_groups[tg])
+        return self._records("_asgd_param_lr").get(p)
+
+    def _eta_lr_from_state(self, p, g, t):
+        """The lr that reproduces the eta tensor of p's state (loaded, or taken over by fuse())."""
+        st = self.state.get(p) or {}
+        lr = float(_plain(g["lr"]))
+        if not torch.is_tensor(st.get("eta")):
+            return lr
+        eta, lambd, alpha = float(st["eta"]), float(g["lambd"]), float(g["alpha"])
+        if _as_float32(_asgd_eta(lr, lambd, alpha, t - 1)) == eta:
+            return lr
+        x = _solve_eta_lr(eta, lambd, alpha, t - 1)
+        return lr if x is None else x
+
+    def _rebuild(self):
+        param_lr = self._records("_asgd_param_lr")
+        groups = self.param_groups
+        for p, tg in self._stepped_last():  # they leave the tables: keep what their last step used
+            h = self._group_eta_lr(groups[tg])
+            param_lr[p] = h.detach().clone() if torch.is_tensor(h) else h
+        self.__dict__["_asgd_stepped"] = None
+        super()._rebuild()
+        # Parameters that share an internal group (torch group and step count) may come from
+        # different histories: each internal group gets the eta_lr of its parameters' last step.
+        for e in self._engines.values():
+            done = set()
+            for p, gi in zip(e.params, e.group_of):
+                tg, step = e.groups[gi]
+                if gi in done or step == 0:
+                    continue
+                v = param_lr.get(p)
+                if v is None:
+                    v = self._eta_lr_from_state(p, groups[tg], step + 1)
+                e._push(gi, {"eta_lr": v})
+                done.add(gi)
+
+    def _after_step(self, found_inf):
+        """Each group's eta_lr becomes the lr this step used (for a skipped GradScaler step, a tensor
+        lr keeps the previous value; a Python number cannot tell without a device sync)."""
+        d = self._records("_asgd_group_lr")
         for i, g in enumerate(self.param_groups):
             lr, h = g["lr"], d.get(id(g))
             if torch.is_tensor(lr):
                 if not torch.is_tensor(h) or h.shape != lr.shape or h.device != lr.device:
                     h = d[id(g)] = lr.detach().clone()
-                elif found_inf is not None and torch.is_tensor(found_inf) and found_inf.device == h.device:
+                elif torch.is_tensor(found_inf) and found_inf.device == h.device:
                     h.copy_(torch.where(found_inf.reshape(()) != 0, h, lr.detach().to(h.dtype)))
                 else:
                     h.copy_(lr.detach())
@@ -468,18 +500,20 @@ class ASGD(FusedOptimizer):
                 h = d[id(g)] = float(lr)
             for e in self._engines.values():
                 e.push_hypers(i, {"eta_lr": h})
+        self.__dict__["_asgd_stepped"] = [(e.params, e.group_of, e.groups) for e in self._engines.values()]
 
     @_dynamo_opaque
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
         loss = FusedOptimizer.step(self, closure, grad_scale=grad_scale, found_inf=found_inf)
-        self._advance_eta_lr(found_inf if found_inf is not None else getattr(self, "found_inf", None))
+        self._after_step(found_inf if found_inf is not None else getattr(self, "found_inf", None))
         return loss
 
     step.hooked = True
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        self.__dict__["_asgd_eta_lr"] = {}  # recovered from the loaded eta tensors at the next step
+        for name in ("_asgd_group_lr", "_asgd_stepped", "_asgd_param_lr", "_asgd_group_of"):
+            self.__dict__[name] = None  # from the loaded eta tensors at the next step
 
     def _group_of(self, p):
         cache = self.__dict__.get("_asgd_group_of")
@@ -497,13 +531,14 @@ class ASGD(FusedOptimizer):
         return super()._states_for(p, st, engine)
 
     def _sync_steps(self, write_state=False):
-        # state_dict() calls this with write_state=True: eta and mu are refreshed with step
+        # state_dict() calls this with write_state=True: eta and mu are written with step, as torch
+        # computed them at the end of each parameter's last step
         super()._sync_steps(write_state)
         if not write_state:
             return
-        for g in self.param_groups:
+        stepped = {id(p): tg for p, tg in self._stepped_last()}
+        for tg, g in enumerate(self.param_groups):
             lambd, alpha, t0 = float(g["lambd"]), float(g["alpha"]), float(g["t0"])
-            elr = float(_plain(self._eta_lr_of(g)))
             for p in g["params"]:
                 st = self.state.get(p)
                 if not st or "step" not in st:
@@ -511,9 +546,11 @@ class ASGD(FusedOptimizer):
                 if st["step"].device != p.device:  # torch keeps ASGD's step on the parameter's device
                     st["step"] = st["step"].to(p.device)
                 t = float(st["step"])
-                eta = _asgd_eta(elr, lambd, alpha, t) if t > 0 else float(_plain(g["lr"]))
-                mu = 1 / max(1, t - t0) if t > 0 else 1.0
-                for key, value in (("eta", eta), ("mu", mu)):
+                lr = self._param_eta_lr(p, tg, stepped)
+                if t < 1 or lr is None:
+                    continue  # not stepped since its eta and mu were set (created, loaded, fused)
+                lr = float(_plain(lr))
+                for key, value in (("eta", _asgd_eta(lr, lambd, alpha, t)), ("mu", 1 / max(1, t - t0))):
                     if torch.is_tensor(st.get(key)):
                         st[key].copy_(torch.as_tensor(value))
                     else:
