@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing optfuse needs, skipping what is already there:
 # Debian packages (compiler, CMake, Ninja, GoogleTest) and Python packages (build tools, numpy,
-# pytest, matplotlib, torch, expecttest: torch's optim_db in the tests needs it). The CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda
-# or on PATH; no GPU is needed to build or to run the CPU tests.
+# pytest, matplotlib, torch, expecttest: torch's optim_db, which the tests run, imports it). The
+# CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda or on PATH; no GPU is needed to
+# build or to run the CPU tests.
 set -euo pipefail
 
 missing=()
