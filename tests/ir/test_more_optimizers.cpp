@@ -134,13 +134,17 @@ RuleCase adadelta_case(const std::string& spec, G2 lr, G2 wd, double rho, double
   return c;
 }
 
-TEST(MoreOptimizers, AdadeltaDefaults) { run_everywhere(adadelta_case("adadelta()", {1.0, 0.5}, {0, 0}, 0.9, 1e-6, false)); }
+TEST(MoreOptimizers, AdadeltaDefaults) {
+  run_everywhere(adadelta_case("adadelta()", {1.0, 0.5}, {0, 0}, 0.9, 1e-6, false));
+}
 TEST(MoreOptimizers, AdadeltaWeightDecayMaximize) {
   run_everywhere(adadelta_case("adadelta(lr=0.5, rho=0.5, eps=1e-3, weight_decay=0.2, maximize=true)", {0.5, 0.25},
                                {0.2, 0.05}, 0.5, 1e-3, true));
 }
 // rho = 1 is allowed (torch: 0 <= rho <= 1): the averages never move.
-TEST(MoreOptimizers, AdadeltaRhoOne) { run_everywhere(adadelta_case("adadelta(rho=1.0)", {1.0, 2.0}, {0, 0}, 1.0, 1e-6, false)); }
+TEST(MoreOptimizers, AdadeltaRhoOne) {
+  run_everywhere(adadelta_case("adadelta(rho=1.0)", {1.0, 2.0}, {0, 0}, 1.0, 1e-6, false));
+}
 
 // torch.optim.Rprop: g <- -g if maximize; s = sign(g prev); the step size (lr on the first step)
 // is multiplied by etaplus (s > 0), etaminus (s < 0) or 1 (s = 0) and clamped to
@@ -210,7 +214,9 @@ RuleCase asgd_case(const std::string& spec, G2 lr, G2 wd, double lambd, double a
   return c;
 }
 
-TEST(MoreOptimizers, AsgdDefaults) { run_everywhere(asgd_case("asgd()", {1e-2, 3e-2}, {0, 0}, 1e-4, 0.75, 1e6, false)); }
+TEST(MoreOptimizers, AsgdDefaults) {
+  run_everywhere(asgd_case("asgd()", {1e-2, 3e-2}, {0, 0}, 1e-4, 0.75, 1e6, false));
+}
 // Large lambd (eta shrinks visibly), t0 = 1.5 (averaging starts at step 4 in group 0; group 1
 // resumes at step 10), weight decay and maximize.
 TEST(MoreOptimizers, AsgdAveragingWeightDecayMaximize) {

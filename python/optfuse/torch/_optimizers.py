@@ -1,8 +1,9 @@
 """Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
-Rprop, ASGD, and Lion (as lion-pytorch), built from optfuse's registry of named optimizers (the same chains as C++ and SPEC
-text). Constructor arguments, defaults and validation are torch's own: each class asks the torch
-class it replaces for its defaults dict, so param_groups and state_dict have exactly torch's keys
-for the installed torch version (`foreach`, `fused` and `capturable` are kept but ignored)."""
+Rprop, ASGD, and Lion (as lion-pytorch), built from optfuse's registry of named optimizers (the
+same chains as C++ and SPEC text). Constructor arguments, defaults and validation are torch's own:
+each class asks the torch class it replaces for its defaults dict, so param_groups and state_dict
+have exactly torch's keys for the installed torch version (`foreach`, `fused` and `capturable` are
+kept but ignored)."""
 import math
 
 import torch
