@@ -22,6 +22,9 @@
 //   averaged_sgd            lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6   (ASGD: decays and steps the parameter,
 //                                                    keeps the average ax; must be the last rule of a chain;
 //                                                    hyperparameter eta_lr=-1: see builtin_rules.cpp)
+//   clip_by_global_norm_ratio  max_norm=1.0         (u / max(global_norm / max_norm, 1): timm's Lamb clipping)
+//   scale_by_lamb           as lamb below, less max_grad_norm (per-tensor trust ratio ||p|| / ||update||)
+//   scale_by_lars           trust_coeff=0.001 eps=1e-8 weight_decay=0 trust_clip=false always_adapt=false lr=1.0
 //   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
 //   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
 //   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
@@ -33,6 +36,11 @@
 //   adadelta lr=1.0 rho=0.9 eps=1e-6 weight_decay=0 maximize=false
 //   rprop    lr=1e-2 etas=(0.5,1.2) step_sizes=(1e-6,50) maximize=false   (chain ends with scale(-1))
 //   asgd     lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6 weight_decay=0 maximize=false
+//   lamb     lr=1e-3 bias_correction=true betas=(0.9,0.999) eps=1e-6 weight_decay=0.01 grad_averaging=true
+//            max_grad_norm=1.0 (0: none) trust_clip=false always_adapt=false decoupled_decay=false max_lr=0
+//            (timm.optim.Lamb; max_lr > 0 is its corrected_weight_decay with max_lr_snapshot)
+//   lars     lr=1.0 momentum=0 dampening=0 weight_decay=0 nesterov=false trust_coeff=0.001 eps=1e-8
+//            trust_clip=false always_adapt=false (timm.optim.Lars)
 #pragma once
 #include <initializer_list>
 #include <map>

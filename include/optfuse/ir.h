@@ -23,10 +23,13 @@
 //   Lerp: x + z*(y - x) computed as torch.lerp does: |z| < 0.5 ? x + z*(y-x) : y - (y-x)*(1-z)
 //   Fma: x*y + z with one rounding
 //   RoundBF16 / RoundF16: x rounded to bfloat16 / float16 precision (to mimic low-precision storage)
-//   SumSquares: sum over every element of every tensor in the step of x*x (float64 accumulation,
-//               fixed order: deterministic). Scope: global. Input element, result uniform.
-//   AnyNonFinite: 1 if any element of x over all tensors is inf or NaN, else 0. Scope: global.
-// A reduction's result is only known after a full pass over memory: a phase boundary (plan.h).
+//   SumSquares: sum of x*x over the elements of its scope (float64 accumulation, fixed order:
+//               deterministic). Input element.
+//   AnyNonFinite: 1 if any element of x in its scope is inf or NaN, else 0. Input element.
+// A reduction's `index` is its Scope: Global (every element of every tensor in the step; the result
+// is uniform, one value per step) or Tensor (the elements of one tensor; the result is one value per
+// tensor, a *tensor* value). A reduction's result is only known after a full pass over memory: a
+// phase boundary (plan.h).
 #pragma once
 #include <array>
 #include <cstdint>
@@ -51,6 +54,10 @@ bool op_is_leaf(Op op);
 bool op_is_reduction(Op op);
 bool op_is_commutative(Op op);
 
+// The elements a reduction runs over (its node's `index`).
+enum class Scope : int32_t { Global = 0, Tensor = 1 };
+const char* scope_name(Scope scope);
+
 using NodeId = int32_t;
 constexpr NodeId kNoNode = -1;
 
@@ -58,9 +65,11 @@ struct Node {
   Op op = Op::Const;
   std::array<NodeId, 3> in{kNoNode, kNoNode, kNoNode};
   double value = 0;     // Const
-  int32_t index = -1;   // State, Hyper, Global slot
+  int32_t index = -1;   // State, Hyper, Global slot; a reduction's Scope
   bool operator==(const Node& o) const;
 };
+
+inline Scope reduction_scope(const Node& n) { return static_cast<Scope>(n.index); }
 
 struct NodeHash {
   size_t operator()(const Node& n) const;
@@ -141,6 +150,10 @@ Expr round_to_bf16(Expr x);
 Expr round_to_f16(Expr x);
 Expr global_sum_of_squares(Expr x);
 Expr any_nonfinite(Expr x);
+// Per-tensor reductions: one value per tensor (LAMB's and LARS's norms).
+Expr tensor_sum_of_squares(Expr x);
+Expr tensor_any_nonfinite(Expr x);
+Expr reduce(Op op, Expr x, Scope scope);
 
 // Evaluates one non-leaf, non-reduction op on already-evaluated inputs, in precision T (double for
 // uniform values and the reference evaluator, float for element values). The single definition of

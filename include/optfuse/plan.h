@@ -1,17 +1,24 @@
 // The plan: a program after passes, cut into the fewest passes over memory.
 //
-// Every node is *uniform* (one value per parameter group: computed once per step in float64 by
-// the scalar phase) or *element* (one value per tensor element: computed in float32 inside a
-// pass over memory). A node's *level* counts the global reductions beneath it: level 0 needs
-// none; a reduction of a level-L element value has level L+1. The plan is then
+// Every node has a kind: *uniform* (one value per parameter group, computed once per step in
+// float64 by the scalar phase), *tensor* (one value per tensor, float64: anything that reads a
+// per-tensor reduction, e.g. LAMB's trust ratio) or *element* (one value per tensor element,
+// computed in float32 inside a pass over memory). A node's *level* counts the reductions beneath it:
+// level 0 needs none; a reduction of a level-L element value has level L+1 (any scope). The plan is
 //   for L = 1..max: scalar phase (uniforms of level < L) -> reduce phase L (one pass over memory)
 //   final scalar phase (all uniforms; decide skip; commit the step count) -> update phase
 // so clip_by_global_norm + adamw is one read of the gradients and one read/write of everything.
+// A reduction whose users all sit at a higher level moves to that level's reduce pass when the pass
+// reads its inputs anyway (LAMB's ||param|| joins ||update||): the same answer in fewer bytes.
 //
 // Scalars live in one float64 table (on the device for CUDA), laid out as
 //   globals[kNumGlobals] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
-// where `derived` holds the uniform values element code reads (bias corrections, clip
-// coefficient, ...). Sizes depend on the group count G, never on tensor shapes.
+// where `derived` holds the uniform values element or tensor code reads (bias corrections, clip
+// coefficient, ...). Sizes depend on the group count G, never on tensor shapes. Per-tensor
+// reductions live in a second table, tensor_reductions[T x RT] (T tensors), combined per tensor from
+// the per-chunk partials in chunk order. Tensor values are evaluated where they are used: at the
+// start of every chunk, from the group's derived row and the tensor's reductions (a few float64
+// operations per chunk), and handed to element code after the derived values: u = [derived | tensor].
 #pragma once
 #include <map>
 #include <string>
@@ -22,7 +29,7 @@
 
 namespace optfuse {
 
-enum class ValueKind : uint8_t { Uniform, Element };
+enum class ValueKind : uint8_t { Uniform, Tensor, Element };
 
 struct ElementPhase {
   enum class Kind { Reduce, Update } kind = Kind::Update;
@@ -37,7 +44,9 @@ struct ElementPhase {
 };
 
 struct ScalarLayout {
-  int hypers_per_group = 0, derived_per_group = 0, reductions = 0;
+  int hypers_per_group = 0, derived_per_group = 0, reductions = 0;  // reductions: global scope
+  int tensor_reductions = 0;  // per tensor, in the tensor_reductions table
+  int tensor_values = 0;      // tensor values element code reads (u after the derived values)
   int globals_offset() const { return 0; }
   int reductions_offset() const { return kNumGlobals; }
   int hypers_offset() const { return kNumGlobals + reductions; }
@@ -52,13 +61,20 @@ struct Plan {
   std::vector<ValueKind> kind;          // per node
   std::vector<int> level;               // per node
   std::vector<ElementPhase> phases;     // in execution order; the last is the update
-  std::vector<NodeId> reductions;       // reduction slot -> node
+  std::vector<NodeId> reductions;       // reduction (partials slot) -> node, every scope
+  std::vector<int> reduction_area_slot; // reduction -> its slot in the global area or tensor table row
+  std::vector<NodeId> tensor_derived;   // tensor values read by element code (u[D + k])
   std::vector<NodeId> derived;          // derived slot -> uniform node read by element code
-  std::map<NodeId, int> derived_slot;
+  std::map<NodeId, int> derived_slot;   // node -> index in u: derived d -> d, tensor value k -> D + k
   ScalarLayout layout;
   std::vector<std::string> pass_log;    // "name: N nodes" per pass, for explain
 
   int num_states() const { return static_cast<int>(program.states.size()); }
+  Scope scope_of(size_t reduction) const { return reduction_scope(program.graph.node(reductions[reduction])); }
+  // Uniform and tensor values a phase may use: those of lower levels (and all for the update phase).
+  int value_level_limit(const ElementPhase& ph) const {
+    return ph.kind == ElementPhase::Kind::Update ? ph.level : ph.level - 1;
+  }
   int max_level() const { return phases.empty() ? 0 : phases.back().level; }
   // Human-readable: phases, what each reads and writes, bytes per element for a storage dtype.
   std::string describe(DType storage = DType::f32) const;

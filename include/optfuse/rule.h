@@ -127,6 +127,11 @@ class RuleBuilder {
   // (p *= 1 - lr * wd, then p += update), which rounds differently from adding wd * p to the update.
   // param() still returns the parameter before this step.
   void scale_param(Expr factor);
+  // The general form: the value the final update is added to, as earlier rules left it
+  // (param() unless some rule decayed it), and replacing it. timm's decoupled decay is
+  // set_param_base(base + (-lr * wd) * base): torch's p.add_(p, alpha=-lr * wd).
+  Expr param_base();
+  void set_param_base(Expr base);
 
  private:
   friend Program build_program(const Chain& chain);

@@ -275,7 +275,7 @@ std::string CPrinter::scalar_function(size_t phase) const {
       case Op::AnyNonFinite: {
         size_t r = 0;
         while (plan_.reductions[r] != static_cast<NodeId>(i)) ++r;
-        rhs = "reductions[" + std::to_string(r) + "]";
+        rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[r]) + "]";
         break;
       }
       default: rhs = expr(static_cast<NodeId>(i), false);
@@ -299,9 +299,47 @@ std::string CPrinter::scalar_function(size_t phase) const {
   return s.str();
 }
 
+std::string CPrinter::tensor_function(size_t phase) const {
+  const Program& p = plan_.program;
+  const Graph& g = p.graph;
+  const int limit = plan_.value_level_limit(plan_.phases.at(phase));
+  std::ostringstream s;
+  s << "\n// phase " << phase << ": values of one tensor (from its group's derived row and its reductions), float64 math\n";
+  s << "OF_FN void of_phase" << phase << "_tensor(const double* derived, const double* reductions, float* u) {\n";
+  std::set<NodeId> declared;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit) continue;
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_is_reduction(n.op)) {
+      size_t r = 0;
+      while (plan_.reductions[r] != static_cast<NodeId>(i)) ++r;
+      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = reductions[" << plan_.reduction_area_slot[r]
+        << "];\n";
+      continue;
+    }
+    for (int k = 0; k < op_arity(n.op); ++k) {
+      NodeId x = n.in[k];
+      if (plan_.kind[static_cast<size_t>(x)] != ValueKind::Uniform || g.node(x).op == Op::Const) continue;
+      if (declared.insert(x).second)
+        s << "  const double " << value_name(x) << " = derived[" << plan_.derived_slot.at(x) << "];\n";
+    }
+    s << "  const double " << value_name(static_cast<NodeId>(i)) << " = " << expr(static_cast<NodeId>(i), false) << ";\n";
+  }
+  const size_t d = plan_.derived.size();
+  for (size_t k = 0; k < plan_.tensor_derived.size(); ++k)
+    if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit)
+      s << "  u[" << k << "] = (float)" << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k << "] of the element function\n";
+  s << "  (void)derived; (void)reductions; (void)u;\n}\n";
+  return s.str();
+}
+
 std::string CPrinter::common_source() const {
   std::string s = prelude();
-  for (size_t i = 0; i < plan_.phases.size(); ++i) s += scalar_function(i) + element_function(i);
+  for (size_t i = 0; i < plan_.phases.size(); ++i) {
+    s += scalar_function(i);
+    if (plan_.layout.tensor_values > 0) s += tensor_function(i);
+    s += element_function(i);
+  }
   return s;
 }
 

@@ -7,8 +7,12 @@
 //   OF_FN void of_phase<i>_element(float* v, const float* u, double* acc)
 //     v[role] holds the loaded values of the roles the phase reads (role 0 param, 1 grad, 2+s state
 //     s, see ElementPhase::reads_*); on return v[role] holds the new values of the roles it writes.
-//     u[d] holds derived uniform slot d rounded to float. Reduce phases add into acc[k] for the
-//     k-th reduction of the phase (sum of squares: += x*x in double; any-non-finite: = 1).
+//     u[d] holds derived uniform slot d rounded to float, then (from u[D], D = the plan's derived
+//     count) the tensor's values. Reduce phases add into acc[k] for the k-th reduction of the phase
+//     (sum of squares: += x*x in double; any-non-finite: = 1), whatever its scope.
+//   OF_FN void of_phase<i>_tensor(const double* derived, const double* reductions, float* u)
+//     (only when the plan has tensor values) one tensor's values for this phase, from its group's
+//     derived row and its row of per-tensor reductions, into u[k] = element u[D + k].
 //   OF_FN void of_phase<i>_scalars(const double* hyper, double steps, const double* globals,
 //                                  const double* reductions, double* derived, double* skip, double* steps_out)
 //     one group's uniform values for this phase; hyper points at the group's row. The update
@@ -40,6 +44,7 @@ class CPrinter {
   std::string prelude() const;
   std::string element_function(size_t phase) const;
   std::string scalar_function(size_t phase) const;
+  std::string tensor_function(size_t phase) const;
   // Everything above for every phase, in order: what a driver puts before its loops.
   std::string common_source() const;
   int num_roles() const { return 2 + plan_.num_states(); }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "codegen/abi.h"
 #include "codegen/c_printer.h"
 
 namespace optfuse {
@@ -12,8 +13,6 @@ namespace {
 // Storage types and their loads/stores. bf16/f16 go through the prelude's conversions, written
 // branch-free enough (a NaN test becomes a select) that GCC and Clang vectorise them.
 const char* kCpuTables = R"(
-struct OfTensor { void* ptr[OF_ROLES]; long long numel; int group; int dtype; };
-struct OfChunk { long long begin; int tensor; int length; };
 struct of_half { unsigned short bits; };
 struct of_bfloat { unsigned short bits; };
 static inline float of_ld(const float* p, long long i) { return p[i]; }
@@ -89,10 +88,11 @@ std::string prefetch_block(const PhaseRoles& pr, const std::vector<std::string>&
 std::string generate_cpu_source(const Plan& plan) {
   CPrinter pr(plan, cpu_dialect());
   std::vector<std::string> roles = role_names(plan);
-  const size_t nderived = std::max<size_t>(plan.derived.size(), 1);
+  // u = [derived values | this tensor's values] (c_printer.h)
+  const size_t nvalues = std::max<size_t>(plan.derived.size() + plan.tensor_derived.size(), 1);
   std::ostringstream s;
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_LANES " << kCpuReduceLanes
-    << "\n#define OF_PREFETCH_BLOCK " << kPrefetchBlock << "\n" << pr.common_source() << kCpuTables;
+    << "\n#define OF_PREFETCH_BLOCK " << kPrefetchBlock << "\n" << pr.common_source() << abi_source() << kCpuTables;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     const ElementPhase& ph = plan.phases[i];
     const PhaseRoles rr = phase_roles(ph);
@@ -152,29 +152,33 @@ std::string generate_cpu_source(const Plan& plan) {
     }
     s << "\ntemplate <class S>\nstatic void of_phase" << i
       << "_chunk(const OfTensor& t, long long begin, int len, const double* derived_row, int nderived, "
-         "double* acc) {\n"
-      << "  float u[" << nderived << "] = {0.0f};\n"
-      << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n"
-      << "  (void)nderived;  // always " << plan.derived.size() << " (the plan's derived slots)\n"
+         "const double* tensor_row, double* acc) {\n"
+      << "  float u[" << nvalues << "] = {0.0f};\n"
+      << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
+    if (plan.layout.tensor_values > 0)
+      s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
+    s << "  (void)nderived; (void)tensor_row;  // nderived is always " << plan.derived.size() << " (the plan's derived slots)\n"
       << "  of_phase" << i << "_run<S>(len, u, acc";
     for (int r : rr.used) s << ", (S*)t.ptr[" << r << "] + begin";
     s << ");\n}\n";
     s << "\nextern \"C\" void of_phase" << i
       << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
-         " const double* skip, int derived_per_group, double* partials, long long num_chunks) {\n"
+         " const double* skip, int derived_per_group, const double* tensor_reductions, int tensor_reductions_per_tensor,"
+         " double* partials, long long num_chunks) {\n"
       << "  for (long long c = first; c < last; ++c) {\n"
       << "    const OfChunk ch = chunks[c];\n    const OfTensor& t = tensors[ch.tensor];\n";
     if (ph.kind == ElementPhase::Kind::Update) s << "    if (skip[t.group] != 0.0) continue;\n";
     s << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
+      << "    const double* trow = tensor_reductions + (long long)ch.tensor * tensor_reductions_per_tensor;\n"
       << "    double acc[" << (nred ? nred : 1) << "] = {0};\n"
       << "    switch (t.dtype) {\n"
-      << "      case 0: of_phase" << i << "_chunk<float>(t, ch.begin, ch.length, row, derived_per_group, acc); break;\n"
-      << "      case 1: of_phase" << i << "_chunk<of_half>(t, ch.begin, ch.length, row, derived_per_group, acc); break;\n"
+      << "      case 0: of_phase" << i << "_chunk<float>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
+      << "      case 1: of_phase" << i << "_chunk<of_half>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
       << "      default: of_phase" << i
-      << "_chunk<of_bfloat>(t, ch.begin, ch.length, row, derived_per_group, acc); break;\n"
+      << "_chunk<of_bfloat>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
       << "    }\n";
     for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";
-    s << "  }\n  (void)partials; (void)num_chunks; (void)skip;\n}\n";
+    s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)tensor_reductions;\n}\n";
   }
   return s.str();
 }

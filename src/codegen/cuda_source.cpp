@@ -3,8 +3,8 @@
 //
 //   extern "C" __global__ void of_phase<i>(const OfTensor* tensors, const OfChunk* chunks,
 //       long long num_chunks, double* table, int groups, double* partials,
-//       const OfHyperSource* sources, const float* grad_scale, const float* found_inf,
-//       unsigned* done_count)
+//       double* tensor_reductions, int num_tensors, const OfHyperSource* sources,
+//       const float* grad_scale, const float* found_inf, unsigned* done_count)
 //
 //   1. Uniforms, per block. Every block evaluates every group's uniform values (of_phase<i>_scalars,
 //      float64) into dynamic shared memory: hyperparameters from the table or, where a group's
@@ -14,7 +14,8 @@
 //      earlier phases from the table. The step count is read, never written, here: every block sees
 //      the same count, and the work is a few double operations per group (no second launch).
 //   2. Elements. Blocks walk the chunk list grid-stride. Per chunk: the group's derived values go
-//      to registers as float, skipped groups are passed over (update phase), and a chunk loop
+//      to registers as float, then the tensor's values (of_phase<i>_tensor, float64 from the group's
+//      derived values and the tensor's row of tensor_reductions), skipped groups are passed over (update phase), and a chunk loop
 //      specialised per storage dtype runs. Where every role the phase touches sits at the same
 //      offset from a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 halves;
 //      read-only roles through the non-coherent cache), OF_UNROLL_* vectors per role per thread per
@@ -26,7 +27,8 @@
 //   3. The last block to finish (a counter, reset by that block, so the kernel can be replayed in a
 //      graph) combines this phase's per-chunk partials in chunk order (a fixed strided sum and
 //      shuffle tree: bitwise the same every run, no floating-point atomics) into the table for the
-//      next phase, and after the update phase commits the step: skip flags, derived values and step
+//      next phase -- per-tensor reductions per tensor, a warp per tensor over its chunk range
+//      (OfTensor::first_chunk, num_chunks) into tensor_reductions[tensor] -- and after the update phase commits the step: skip flags, derived values and step
 //      counts of every group.
 //
 // Nothing here depends on tensor shapes, the group count or hyperparameter values: the table
@@ -36,6 +38,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "codegen/abi.h"
 #include "codegen/c_printer.h"
 
 namespace optfuse {
@@ -47,11 +50,6 @@ namespace {
 constexpr int kThreads = 256;
 
 const char* kCudaDriverPrelude = R"(
-struct OfTensor { void* ptr[OF_ROLES]; long long numel; int group; int dtype; };
-struct OfChunk { long long begin; int tensor; int length; };
-// Where a group's hyperparameter is read from: ptr == 0: the table; else a float32 (type 0) or
-// float64 (type 1) scalar in device memory (HyperSource in runtime/executor.h).
-struct OfHyperSource { unsigned long long ptr; int type; int pad; };
 #define OF_UNIFORM (OF_DERIVED + 1)  // per group in shared memory: derived values, then skip
 
 // Scalar table layout (ScalarLayout in plan.h):
@@ -145,6 +143,21 @@ __device__ __forceinline__ double of_combine(const double* partials, long long n
   for (long long c = threadIdx.x; c < num_chunks; c += OF_THREADS) s += partials[c];
   s = of_block_sum(s, scratch);
   return any ? (s != 0.0 ? 1.0 : 0.0) : s;
+}
+
+// Combines one per-tensor reduction's partials: warp w takes tensors w, w + W, ... (W warps); in a
+// tensor, lane l takes its chunks l, l + 32, ... in order, then a fixed shuffle tree. Deterministic.
+__device__ __forceinline__ void of_combine_per_tensor(const double* partials, const OfTensor* tensors, int num_tensors,
+                                                      bool any, double* out, int stride) {
+  const int lane = threadIdx.x & 31;
+  for (int t = threadIdx.x >> 5; t < num_tensors; t += OF_THREADS / 32) {
+    const int first = tensors[t].first_chunk, count = tensors[t].num_chunks;
+    double s = 0.0;
+    for (int c = lane; c < count; c += 32) s += partials[first + c];
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+    if (lane == 0) out[(long long)t * stride] = any ? (s != 0.0 ? 1.0 : 0.0) : s;
+  }
 }
 )";
 
@@ -273,6 +286,7 @@ std::string element_kernel(const Plan& plan, size_t i) {
   s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, OF_MIN_BLOCKS) of_phase" << i
     << "(const OfTensor* __restrict__ tensors, const OfChunk* __restrict__ chunks, long long num_chunks,"
        " double* __restrict__ table, int groups, double* __restrict__ partials,"
+       " double* __restrict__ tensor_reductions, int num_tensors,"
        " const OfHyperSource* __restrict__ sources, const float* grad_scale, const float* found_inf,"
        " unsigned* done_count) {\n"
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
@@ -298,8 +312,11 @@ std::string element_kernel(const Plan& plan, size_t i) {
     << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
     << (update ? "    if (uni[OF_DERIVED] == 0.0) {  // uniform over the block: a skipped group's chunks are passed over\n"
                : "    {\n");
-  s << "    float u[OF_DERIVED_ARRAY];  // uniform inputs, rounded to float as they enter element math\n"
-    << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n"
+  s << "    float u[OF_VALUES_ARRAY];  // uniform inputs, rounded to float as they enter element math\n"
+    << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n";
+  if (plan.layout.tensor_values > 0)
+    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, u + OF_DERIVED);\n";
+  s
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n"
     << "    switch (t.dtype) {\n"
     << "      case 0: of_phase" << i << "_chunk<0>(t, ch.begin, ch.length, u, acc); break;\n"
@@ -324,9 +341,14 @@ std::string element_kernel(const Plan& plan, size_t i) {
   for (size_t k = 0; k < nred; ++k) {
     size_t r = reduction_slot(plan, ph.reductions[k]);
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
-    s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
-      << (any ? "true" : "false") << ", scratch);\n"
-      << "    if (threadIdx.x == 0) table[2 + " << r << "] = total;\n  }\n";
+    int slot = plan.reduction_area_slot[r];
+    if (plan.scope_of(r) == Scope::Global)
+      s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
+        << (any ? "true" : "false") << ", scratch);\n"
+        << "    if (threadIdx.x == 0) table[2 + " << slot << "] = total;\n  }\n";
+    else
+      s << "  of_combine_per_tensor(partials + " << r << "LL * num_chunks, tensors, num_tensors, " << (any ? "true" : "false")
+        << ", tensor_reductions + " << slot << ", OF_TENSOR_REDUCTIONS);\n";
   }
   if (update)
     s << "  if (threadIdx.x == 0) { table[0] = globals[0]; table[1] = globals[1]; }\n"
@@ -335,7 +357,7 @@ std::string element_kernel(const Plan& plan, size_t i) {
       << "    of_phase" << i << "_group(table, groups, g, sources, globals, table + derived_at + (long long)g * OF_DERIVED, "
       << "table + of_skip_offset(groups) + g, table + steps_at + g);\n";
   s << "  if (threadIdx.x == 0) *done_count = 0u;  // ready for the next launch (or graph replay)\n"
-    << "  (void)partials; (void)scratch;\n}\n";
+    << "  (void)partials; (void)scratch; (void)tensor_reductions; (void)num_tensors;\n}\n";
   return s.str();
 }
 
@@ -353,10 +375,12 @@ std::string generate_cuda_source(const Plan& plan) {
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
     << "\n#define OF_HYPERS_ARRAY " << std::max(L.hypers_per_group, 1)
     << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
-    << std::max(L.derived_per_group, 1) << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_THREADS "
+    << std::max(L.derived_per_group, 1) << "\n#define OF_VALUES_ARRAY " << std::max(L.derived_per_group + L.tensor_values, 1)
+    << "\n#define OF_TENSOR_REDUCTIONS " << L.tensor_reductions
+    << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_THREADS "
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
-    << pr.common_source() << kCudaDriverPrelude;
+    << pr.common_source() << abi_source() << kCudaDriverPrelude;
   for (size_t i = 0; i < plan.phases.size(); ++i)
     s << group_function(i) << chunk_function(plan, i) << element_kernel(plan, i);
   return s.str();

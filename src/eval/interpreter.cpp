@@ -11,23 +11,39 @@ void set_globals(double* table, const StepInputs& in) {
   table[kFoundInf] = in.found_inf ? static_cast<double>(*in.found_inf) : 0.0;
 }
 
-void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups,
-                      const std::vector<std::vector<double>>& partials) {
+void combine_partials(const Plan& plan, size_t phase_index, const std::vector<Chunk>& chunks,
+                      const std::vector<std::vector<double>>& partials, double* table,
+                      std::vector<double>& tensor_reductions) {
+  const Graph& g = plan.program.graph;
+  const ScalarLayout& L = plan.layout;
+  const int limit = plan.value_level_limit(plan.phases.at(phase_index));
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.level[static_cast<size_t>(plan.reductions[r])] > limit) continue;  // not computed yet
+    const bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
+    auto add = [any](double acc, double v) { return any ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v; };
+    const int slot = plan.reduction_area_slot[r];
+    if (plan.scope_of(r) == Scope::Global) {
+      double acc = 0;
+      for (double v : partials[r]) acc = add(acc, v);
+      table[L.reductions_offset() + slot] = acc;
+    } else {  // per tensor: each tensor's chunks, in chunk order
+      const size_t rt = static_cast<size_t>(L.tensor_reductions);
+      for (size_t t = 0; rt && t < tensor_reductions.size() / rt; ++t) tensor_reductions[t * rt + static_cast<size_t>(slot)] = 0;
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        double& acc = tensor_reductions[static_cast<size_t>(chunks[c].tensor) * rt + static_cast<size_t>(slot)];
+        acc = add(acc, partials[r][c]);
+      }
+    }
+  }
+}
+
+void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups) {
   const Program& p = plan.program;
   const Graph& g = p.graph;
   const ScalarLayout& L = plan.layout;
   const ElementPhase& next = plan.phases.at(phase_index);
-  // Reductions finished by earlier phases: combine their partials in chunk order.
-  for (size_t r = 0; r < plan.reductions.size(); ++r) {
-    if (plan.level[static_cast<size_t>(plan.reductions[r])] >= next.level + (next.kind == ElementPhase::Kind::Reduce ? 0 : 1))
-      continue;
-    bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
-    double acc = 0;
-    for (double v : partials[r]) acc = any ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v;
-    table[L.reductions_offset() + static_cast<int>(r)] = acc;
-  }
   bool final_phase = next.kind == ElementPhase::Kind::Update;
-  int limit = final_phase ? next.level : next.level - 1;  // uniform levels available to this phase
+  int limit = plan.value_level_limit(next);  // uniform levels available to this phase
   std::vector<double> val(g.size(), 0.0);
   for (int grp = 0; grp < groups; ++grp) {
     double steps = table[L.steps_offset(groups) + grp];
@@ -43,7 +59,7 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
         case Op::AnyNonFinite: {
           size_t r = 0;
           while (plan.reductions[r] != static_cast<NodeId>(i)) ++r;
-          val[i] = table[L.reductions_offset() + static_cast<int>(r)];
+          val[i] = table[L.reductions_offset() + plan.reduction_area_slot[r]];
           break;
         }
         default: {
@@ -66,15 +82,42 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
   }
 }
 
+void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
+                        std::vector<double>& val) {
+  const Graph& g = plan.program.graph;
+  auto input = [&](NodeId in) {
+    const Node& n = g.node(in);
+    if (n.op == Op::Const) return n.value;
+    if (plan.kind[static_cast<size_t>(in)] == ValueKind::Uniform) return derived_row[plan.derived_slot.at(in)];
+    return val[static_cast<size_t>(in)];
+  };
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (plan.kind[i] != ValueKind::Tensor || plan.level[i] > limit) continue;
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_is_reduction(n.op)) {
+      size_t r = 0;
+      while (plan.reductions[r] != static_cast<NodeId>(i)) ++r;
+      val[i] = reductions_row[plan.reduction_area_slot[r]];
+      continue;
+    }
+    double x = input(n.in[0]);
+    double y = op_arity(n.op) > 1 ? input(n.in[1]) : 0.0;
+    double z = op_arity(n.op) > 2 ? input(n.in[2]) : 0.0;
+    val[i] = apply_op<double>(n.op, x, y, z);
+  }
+}
+
 template <class T>
 void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
-                       int groups, std::vector<std::vector<double>>& partials) {
+                       int groups, const std::vector<double>& tensor_reductions,
+                       std::vector<std::vector<double>>& partials) {
   const Program& p = plan.program;
   const Graph& g = p.graph;
   const ScalarLayout& L = plan.layout;
   bool update = phase.kind == ElementPhase::Kind::Update;
   std::vector<T> val(g.size(), T(0));
+  std::vector<double> tensor_val(plan.tensor_derived.empty() ? 0 : g.size(), 0.0);
   std::vector<size_t> red_slot;
   for (NodeId r : phase.reductions) {
     size_t s = 0;
@@ -90,6 +133,12 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     const double* derived = table + L.derived_offset(groups) + grp * L.derived_per_group;
     for (size_t d = 0; d < plan.derived.size(); ++d)
       val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
+    if (!plan.tensor_derived.empty()) {  // this tensor's values, float64, rounded as they enter element math
+      eval_tensor_values(plan, plan.value_level_limit(phase), derived,
+                         tensor_reductions.data() + static_cast<size_t>(ch.tensor) * static_cast<size_t>(L.tensor_reductions),
+                         tensor_val);
+      for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
+    }
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
@@ -133,9 +182,9 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
 
 template void run_element_phase<double>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
                                         const std::vector<Chunk>&, size_t, size_t, const double*, int,
-                                        std::vector<std::vector<double>>&);
+                                        const std::vector<double>&, std::vector<std::vector<double>>&);
 template void run_element_phase<float>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
                                        const std::vector<Chunk>&, size_t, size_t, const double*, int,
-                                       std::vector<std::vector<double>>&);
+                                       const std::vector<double>&, std::vector<std::vector<double>>&);
 
 }  // namespace optfuse

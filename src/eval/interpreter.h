@@ -9,12 +9,22 @@
 
 namespace optfuse {
 
-// Scalar phase before element phase `phase_index` of the plan: combines the partial sums of the
-// reductions the previous phases produced (`partials[r][chunk]`, in chunk order), then evaluates
-// uniform values for every group in float64 into the derived area. Before the update phase it
+// Before element phase `phase_index`: combines the partial sums of the reductions the previous
+// phases produced (`partials[r][chunk]`) in chunk order, global ones into the table's reduction
+// area, per-tensor ones into tensor_reductions[tensor][slot] (each tensor's chunks in order).
+void combine_partials(const Plan& plan, size_t phase_index, const std::vector<Chunk>& chunks,
+                      const std::vector<std::vector<double>>& partials, double* table,
+                      std::vector<double>& tensor_reductions);
+
+// Scalar phase before element phase `phase_index` of the plan: evaluates uniform values for every
+// group in float64 into the derived area (reductions already combined). Before the update phase it
 // also decides skip per group and, where not skipped, commits the step count.
-void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups,
-                      const std::vector<std::vector<double>>& partials);
+void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups);
+
+// One tensor's values (ValueKind::Tensor) of level <= limit, float64, into val[node]: from its
+// group's derived row and its row of tensor_reductions. What generated code does per chunk.
+void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
+                        std::vector<double>& val);
 
 // One element phase over chunks [first, last) of `chunks`. For a reduce phase, writes one partial
 // per reduction of this phase per chunk into partials[reduction slot][chunk]. T = double is the
@@ -22,7 +32,8 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
 template <class T>
 void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
-                       int groups, std::vector<std::vector<double>>& partials);
+                       int groups, const std::vector<double>& tensor_reductions,
+                       std::vector<std::vector<double>>& partials);
 
 // Writes the step's global scalars (grad_scale, found_inf; host pointers or defaults 1 and 0).
 void set_globals(double* table, const StepInputs& in);

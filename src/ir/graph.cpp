@@ -92,6 +92,7 @@ Expr make(Op op, Expr x) {
   Node n;
   n.op = op;
   n.in[0] = x.id;
+  if (op_is_reduction(op)) n.index = static_cast<int32_t>(Scope::Global);
   return {&g, g.add(n)};
 }
 Expr make(Op op, Expr x, Expr y) {
@@ -158,8 +159,21 @@ Expr fma(Expr x, Expr y, Expr z) { return make(Op::Fma, x, y, z); }
 Expr is_finite(Expr x) { return make(Op::IsFinite, x); }
 Expr round_to_bf16(Expr x) { return make(Op::RoundBF16, x); }
 Expr round_to_f16(Expr x) { return make(Op::RoundF16, x); }
-Expr global_sum_of_squares(Expr x) { return make(Op::SumSquares, x); }
-Expr any_nonfinite(Expr x) { return make(Op::AnyNonFinite, x); }
+Expr reduce(Op op, Expr x, Scope scope) {
+  if (!op_is_reduction(op)) throw Error(std::string("reduce: ") + op_name(op) + " is not a reduction");
+  Graph& g = same_graph({x});
+  Node n;
+  n.op = op;
+  n.in[0] = x.id;
+  n.index = static_cast<int32_t>(scope);
+  return {&g, g.add(n)};
+}
+Expr global_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Global); }
+Expr any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Global); }
+Expr tensor_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Tensor); }
+Expr tensor_any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Tensor); }
+
+const char* scope_name(Scope scope) { return scope == Scope::Global ? "global" : "tensor"; }
 
 template <class T>
 T apply_op(Op op, T x, T y, T z) {

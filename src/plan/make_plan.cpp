@@ -1,6 +1,7 @@
 // Classifies nodes (uniform / element, level), checks the program is plannable, and cuts it into
 // phases: one reduce pass per reduction level, then one update pass. See plan.h for the model.
 #include <algorithm>
+#include <climits>
 #include <set>
 #include <sstream>
 
@@ -20,6 +21,8 @@ int ElementPhase::writes() const {
 
 namespace {
 
+ValueKind widest(ValueKind a, ValueKind b) { return static_cast<uint8_t>(a) > static_cast<uint8_t>(b) ? a : b; }
+
 void classify(Plan& plan) {
   const Graph& g = plan.program.graph;
   plan.kind.assign(g.size(), ValueKind::Uniform);
@@ -31,24 +34,32 @@ void classify(Plan& plan) {
       continue;
     }
     int lvl = 0;
-    bool element = false;
+    ValueKind kind = ValueKind::Uniform;
     for (int k = 0; k < op_arity(n.op); ++k) {
       size_t in = static_cast<size_t>(n.in[k]);
       lvl = std::max(lvl, plan.level[in]);
-      element = element || plan.kind[in] == ValueKind::Element;
+      kind = widest(kind, plan.kind[in]);
     }
     if (op_is_reduction(n.op)) {
-      if (!element) throw Error(std::string("IR: ") + op_name(n.op) + " of a uniform value (it must reduce element values)");
-      plan.kind[i] = ValueKind::Uniform;
+      if (kind != ValueKind::Element)
+        throw Error(std::string("IR: ") + op_name(n.op) + " of a " + (kind == ValueKind::Tensor ? "per-tensor" : "uniform") +
+                    " value (it must reduce element values)");
+      plan.kind[i] = reduction_scope(n) == Scope::Global ? ValueKind::Uniform : ValueKind::Tensor;
       plan.level[i] = lvl + 1;
     } else {
-      plan.kind[i] = element ? ValueKind::Element : ValueKind::Uniform;
+      plan.kind[i] = kind;
       plan.level[i] = lvl;
     }
   }
-  if (plan.program.skip != kNoNode && plan.kind[static_cast<size_t>(plan.program.skip)] == ValueKind::Element)
-    throw Error("skip_step_if needs a uniform condition (one value for the whole step), not a per-element one; "
-                "reduce it first, e.g. with any_nonfinite()");
+  if (plan.program.skip != kNoNode) {
+    ValueKind k = plan.kind[static_cast<size_t>(plan.program.skip)];
+    if (k == ValueKind::Element)
+      throw Error("skip_step_if needs a uniform condition (one value for the whole step), not a per-element one; "
+                  "reduce it first, e.g. with any_nonfinite()");
+    if (k == ValueKind::Tensor)
+      throw Error("skip_step_if needs a uniform condition (one value for the whole step), not a per-tensor one; "
+                  "use a global reduction, e.g. any_nonfinite()");
+  }
 }
 
 // Element nodes reachable from `roots` without crossing into uniform values, in topological order.
@@ -85,18 +96,11 @@ void fill_access(const Plan& plan, ElementPhase& ph) {
   ph.reads_states.assign(states.begin(), states.end());
 }
 
-}  // namespace
-
-Plan make_plan(Program program) {
-  Plan plan;
-  plan.program = run_passes(std::move(program), &plan.pass_log);
-  classify(plan);
+// The reduce phases for the current levels, then the update phase.
+void build_phases(Plan& plan) {
   const Program& p = plan.program;
   const Graph& g = p.graph;
-
-  for (size_t i = 0; i < g.size(); ++i)
-    if (op_is_reduction(g.node(static_cast<NodeId>(i)).op)) plan.reductions.push_back(static_cast<NodeId>(i));
-
+  plan.phases.clear();
   int max_level = 0;
   auto lvl = [&](NodeId id) { return id == kNoNode ? 0 : plan.level[static_cast<size_t>(id)]; };
   max_level = std::max(max_level, lvl(p.param_out));
@@ -135,27 +139,129 @@ Plan make_plan(Program program) {
     if (!unchanged) up.writes_states.push_back(static_cast<int>(s));
   }
   plan.phases.push_back(up);
+}
 
-  // Uniform values element code reads become derived slots.
+// Moves a reduction to a later reduce pass when nothing consumes it sooner (no pass before that one
+// reads a value derived from it) and that pass already reads every role the reduction's input
+// reads: the later pass computes it for free and the earlier one reads less (or disappears).
+// LAMB's ||param|| joins ||update||. Levels above a moved reduction are recomputed.
+bool delay_reductions(Plan& plan) {
+  const Program& p = plan.program;
+  const Graph& g = p.graph;
+  const int last = static_cast<int>(plan.phases.size()) - 1;
+  // earliest[n]: the first phase that reads non-element value n, directly or through other non-element values
+  std::vector<int> earliest(g.size(), INT_MAX);
+  std::vector<std::pair<NodeId, int>> stack;
+  auto mark = [&](NodeId root, int phase) {
+    stack.push_back({root, phase});
+    while (!stack.empty()) {
+      auto [n, ph] = stack.back();
+      stack.pop_back();
+      if (plan.kind[static_cast<size_t>(n)] == ValueKind::Element || earliest[static_cast<size_t>(n)] <= ph) continue;
+      earliest[static_cast<size_t>(n)] = ph;
+      const Node& x = g.node(n);
+      if (op_is_reduction(x.op)) continue;  // its input is an element value, computed in its own pass
+      for (int k = 0; k < op_arity(x.op); ++k) stack.push_back({x.in[k], ph});
+    }
+  };
+  for (int i = 0; i <= last; ++i)
+    for (NodeId id : plan.phases[static_cast<size_t>(i)].nodes) {
+      const Node& n = g.node(id);
+      for (int k = 0; k < op_arity(n.op); ++k) mark(n.in[k], i);
+    }
+  mark(p.param_out, last);
+  for (NodeId s : p.state_out) mark(s, last);
+  if (p.skip != kNoNode) mark(p.skip, last);
+
+  std::vector<int> forced(g.size(), 0);
+  bool moved = false;
+  for (NodeId r : plan.reductions) {
+    int cur = -1, target = -1;
+    for (int i = 0; i <= last; ++i) {
+      const ElementPhase& ph = plan.phases[static_cast<size_t>(i)];
+      if (ph.kind != ElementPhase::Kind::Reduce) continue;
+      if (std::find(ph.reductions.begin(), ph.reductions.end(), r) != ph.reductions.end()) cur = i;
+      if (i < earliest[static_cast<size_t>(r)]) target = i;
+    }
+    if (target <= cur) continue;
+    const ElementPhase& later = plan.phases[static_cast<size_t>(target)];
+    ElementPhase mine;
+    mine.nodes = element_closure(plan, {g.node(r).in[0]});
+    fill_access(plan, mine);
+    bool covered = (!mine.reads_param || later.reads_param) && (!mine.reads_grad || later.reads_grad);
+    for (int st : mine.reads_states)
+      covered = covered && std::find(later.reads_states.begin(), later.reads_states.end(), st) != later.reads_states.end();
+    if (!covered) continue;
+    forced[static_cast<size_t>(r)] = later.level;
+    moved = true;
+  }
+  if (!moved) return false;
+  for (size_t i = 0; i < g.size(); ++i) {  // levels again, with the moved reductions at their new level
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_arity(n.op) == 0) continue;
+    int lvl = 0;
+    for (int k = 0; k < op_arity(n.op); ++k) lvl = std::max(lvl, plan.level[static_cast<size_t>(n.in[k])]);
+    if (op_is_reduction(n.op)) lvl = std::max(lvl + 1, forced[i]);
+    plan.level[i] = lvl;
+  }
+  return true;
+}
+
+// Uniform values element or tensor code reads become derived slots; tensor values element code
+// reads become tensor slots (u = [derived | tensor]).
+void assign_value_slots(Plan& plan) {
+  const Program& p = plan.program;
+  const Graph& g = p.graph;
+  std::set<NodeId> seen;
+  auto need = [&](NodeId in) {
+    ValueKind k = plan.kind[static_cast<size_t>(in)];
+    if (k == ValueKind::Element || g.node(in).op == Op::Const) return;  // constants are printed inline
+    if (!seen.insert(in).second) return;
+    (k == ValueKind::Uniform ? plan.derived : plan.tensor_derived).push_back(in);
+  };
   for (const ElementPhase& ph : plan.phases)
     for (NodeId id : ph.nodes) {
       const Node& n = g.node(id);
-      for (int k = 0; k < op_arity(n.op); ++k) {
-        NodeId in = n.in[k];
-        if (plan.kind[static_cast<size_t>(in)] != ValueKind::Uniform) continue;
-        if (g.node(in).op == Op::Const) continue;  // printed inline as a literal
-        if (plan.derived_slot.emplace(in, static_cast<int>(plan.derived.size())).second) plan.derived.push_back(in);
-      }
+      for (int k = 0; k < op_arity(n.op); ++k) need(n.in[k]);
     }
-  // Element outputs that are themselves uniform (e.g. a state set to a constant) are broadcast.
-  for (NodeId root : roots)
-    if (plan.kind[static_cast<size_t>(root)] == ValueKind::Uniform && g.node(root).op != Op::Const &&
-        plan.derived_slot.emplace(root, static_cast<int>(plan.derived.size())).second)
-      plan.derived.push_back(root);
+  // Element outputs that are themselves uniform or per tensor (e.g. a state set to a constant) are broadcast.
+  need(p.param_out);
+  for (NodeId s : p.state_out) need(s);
+  // Tensor values are computed per chunk from the group's derived row: their uniform inputs are derived.
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (plan.kind[i] != ValueKind::Tensor) continue;
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_is_reduction(n.op)) continue;
+    for (int k = 0; k < op_arity(n.op); ++k)
+      if (plan.kind[static_cast<size_t>(n.in[k])] == ValueKind::Uniform) need(n.in[k]);
+  }
+  for (size_t d = 0; d < plan.derived.size(); ++d) plan.derived_slot[plan.derived[d]] = static_cast<int>(d);
+  for (size_t k = 0; k < plan.tensor_derived.size(); ++k)
+    plan.derived_slot[plan.tensor_derived[k]] = static_cast<int>(plan.derived.size() + k);
+}
 
-  plan.layout.hypers_per_group = static_cast<int>(p.hypers.size());
+}  // namespace
+
+Plan make_plan(Program program) {
+  Plan plan;
+  plan.program = run_passes(std::move(program), &plan.pass_log);
+  classify(plan);
+  const Graph& g = plan.program.graph;
+  int global_slots = 0, tensor_slots = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (!op_is_reduction(n.op)) continue;
+    plan.reductions.push_back(static_cast<NodeId>(i));
+    plan.reduction_area_slot.push_back(reduction_scope(n) == Scope::Global ? global_slots++ : tensor_slots++);
+  }
+  build_phases(plan);
+  if (delay_reductions(plan)) build_phases(plan);
+  assign_value_slots(plan);
+  plan.layout.hypers_per_group = static_cast<int>(plan.program.hypers.size());
   plan.layout.derived_per_group = static_cast<int>(plan.derived.size());
-  plan.layout.reductions = static_cast<int>(plan.reductions.size());
+  plan.layout.reductions = global_slots;
+  plan.layout.tensor_reductions = tensor_slots;
+  plan.layout.tensor_values = static_cast<int>(plan.tensor_derived.size());
   return plan;
 }
 
@@ -180,7 +286,10 @@ std::string Plan::describe(DType storage) const {
     for (int st : ph.writes_states) s << " " << p.states[static_cast<size_t>(st)].qualified;
     if (ph.kind == ElementPhase::Kind::Reduce) {
       s << " (partial sums of";
-      for (NodeId r : ph.reductions) s << " " << op_name(program.graph.node(r).op);
+      for (NodeId r : ph.reductions) {
+        const Node& n = program.graph.node(r);
+        s << " " << op_name(n.op) << (reduction_scope(n) == Scope::Global ? "" : "/tensor");
+      }
       s << ")";
     }
     s << "\n    bytes per element: " << ph.reads() * bytes << " read + " << ph.writes() * bytes
@@ -200,6 +309,15 @@ std::string Plan::describe(DType storage) const {
     s << ")";
   }
   s << "\n";
+  if (layout.tensor_reductions > 0) {
+    s << "  scalars per tensor: " << layout.tensor_reductions << " reductions, " << tensor_derived.size()
+      << " tensor values (";
+    for (size_t i = 0; i < tensor_derived.size(); ++i) {
+      auto it = p.names.find(tensor_derived[i]);
+      s << (i ? ", " : "") << (it != p.names.end() ? it->second : "%" + std::to_string(tensor_derived[i]));
+    }
+    s << "), computed per chunk\n";
+  }
   return s.str();
 }
 
@@ -212,9 +330,10 @@ std::string print_ir(const Program& p, const std::vector<ValueKind>* kinds) {
     if (n.op == Op::State) s << " " << p.states.at(static_cast<size_t>(n.index)).qualified;
     if (n.op == Op::Hyper) s << " " << p.hypers.at(static_cast<size_t>(n.index)).qualified;
     if (n.op == Op::Global) s << " " << global_name(n.index);
+    if (op_is_reduction(n.op) && reduction_scope(n) != Scope::Global) s << " [" << scope_name(reduction_scope(n)) << "]";
     for (int k = 0; k < op_arity(n.op); ++k) s << (k ? ", %" : " %") << n.in[k];
     std::string note;
-    if (kinds) note += (*kinds)[i] == ValueKind::Element ? "element" : "uniform";
+    if (kinds) note += (*kinds)[i] == ValueKind::Element ? "element" : (*kinds)[i] == ValueKind::Tensor ? "tensor" : "uniform";
     auto it = p.names.find(static_cast<NodeId>(i));
     if (it != p.names.end()) note += (note.empty() ? "" : " ") + it->second;
     if (static_cast<NodeId>(i) == p.param_out) note += " -> param";

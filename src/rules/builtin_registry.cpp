@@ -5,6 +5,7 @@
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
 #include "rules/builtin_rules.h"
+#include "rules/layerwise_rules.h"
 #include "rules/suggest.h"
 #include "spec/spec_parser.h"
 
@@ -45,6 +46,27 @@ const char* kind_name(ArgValue::Kind k) {
 const std::vector<Param> kAdamParams = {{"lr", 1e-3},           {"betas", {0.9, 0.999}},
                                         {"eps", 1e-8},          {"weight_decay", 0.0},
                                         {"amsgrad", false},     {"maximize", false}};
+
+const std::vector<Param> kLambParams = {
+    {"lr", 1e-3},          {"bias_correction", true},  {"betas", {0.9, 0.999}}, {"eps", 1e-6},
+    {"weight_decay", 0.01}, {"grad_averaging", true},  {"max_grad_norm", 1.0},   {"trust_clip", false},
+    {"always_adapt", false}, {"decoupled_decay", false}, {"max_lr", 0.0}};
+
+rules::LambOptions lamb_options(const Resolved& a) {
+  rules::LambOptions o;
+  o.b1 = a.beta(0);
+  o.b2 = a.beta(1);
+  o.eps = a.num("eps");
+  o.weight_decay = a.num("weight_decay");
+  o.lr = a.num("lr");
+  o.bias_correction = a.flag("bias_correction");
+  o.grad_averaging = a.flag("grad_averaging");
+  o.decoupled_decay = a.flag("decoupled_decay");
+  o.trust_clip = a.flag("trust_clip");
+  o.always_adapt = a.flag("always_adapt");
+  o.max_lr = a.num("max_lr");
+  return o;
+}
 
 Chain adam_like(const Resolved& a, bool decoupled) {
   Chain c;
@@ -134,6 +156,42 @@ const std::map<std::string, Builtin>& registry() {
           if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
           c.push_back(rules::scale_by_rms(a.num("alpha"), a.num("eps"), a.flag("centered")));
           if (a.num("momentum") != 0) c.push_back(rules::trace(a.num("momentum"), 0.0, false));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"clip_by_global_norm_ratio",
+       {{{"max_norm", 1.0}}, [](const Resolved& a) { return Chain{rules::clip_by_global_norm_ratio(a.num("max_norm"))}; }}},
+      {"scale_by_lamb",
+       {{kLambParams.begin(), kLambParams.end()},
+        [](const Resolved& a) { return Chain{rules::scale_by_lamb(lamb_options(a))}; }}},
+      {"scale_by_lars",
+       {{{"trust_coeff", 0.001}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"trust_clip", false}, {"always_adapt", false},
+         {"lr", 1.0}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_lars(a.num("trust_coeff"), a.num("eps"), a.num("weight_decay"),
+                                            a.flag("trust_clip"), a.flag("always_adapt"), a.num("lr"))};
+        }}},
+      // timm.optim.Lamb; max_grad_norm=0 turns the global clipping off (timm's None).
+      {"lamb",
+       {kLambParams,
+        [](const Resolved& a) {
+          if (a.num("max_grad_norm") < 0) throw Error("lamb: max_grad_norm must be >= 0 (0: no clipping)");
+          Chain c;
+          if (a.num("max_grad_norm") > 0) c.push_back(rules::clip_by_global_norm_ratio(a.num("max_grad_norm")));
+          c.push_back(rules::scale_by_lamb(lamb_options(a)));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      // timm.optim.Lars
+      {"lars",
+       {{{"lr", 1.0}, {"momentum", 0.0}, {"dampening", 0.0}, {"weight_decay", 0.0}, {"nesterov", false},
+         {"trust_coeff", 0.001}, {"eps", 1e-8}, {"trust_clip", false}, {"always_adapt", false}},
+        [](const Resolved& a) {
+          if (a.flag("nesterov") && (a.num("momentum") <= 0 || a.num("dampening") != 0))
+            throw Error("lars: nesterov=true requires momentum > 0 and dampening = 0");
+          Chain c{rules::scale_by_lars(a.num("trust_coeff"), a.num("eps"), a.num("weight_decay"), a.flag("trust_clip"),
+                                       a.flag("always_adapt"), a.num("lr"))};
+          if (a.num("momentum") != 0) c.push_back(rules::trace(a.num("momentum"), a.num("dampening"), a.flag("nesterov")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
           return c;
         }}},

@@ -194,7 +194,15 @@ void RuleBuilder::skip_step_if(Expr cond) {
 void RuleBuilder::scale_param(Expr factor) {
   if (!factor.valid() || factor.graph != &p_.graph)
     throw Error("rule " + rule_.name() + ": scale_param got an expression of another graph");
-  *param_base_ = *param_base_ * factor;
+  set_param_base(*param_base_ * factor);
+}
+
+Expr RuleBuilder::param_base() { return *param_base_; }
+
+void RuleBuilder::set_param_base(Expr base) {
+  if (!base.valid() || base.graph != &p_.graph)
+    throw Error("rule " + rule_.name() + ": set_param_base got an expression of another graph");
+  *param_base_ = base;
   p_.names.emplace(param_base_->id, "param_decayed");
 }
 

@@ -18,7 +18,8 @@ namespace optfuse {
 namespace {
 
 using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long first, long long last,
-                         const double* derived, const double* skip, int derived_per_group, double* partials,
+                         const double* derived, const double* skip, int derived_per_group,
+                         const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                          long long num_chunks);
 
 constexpr int32_t kCpuChunk = 16384;  // elements: small enough to balance threads, large enough to amortise
@@ -50,7 +51,7 @@ class CpuExecutor : public HostExecutor {
 
   void set_tensors(const std::vector<TensorRef>& tensors) override {
     HostExecutor::set_tensors(tensors);
-    table_words_ = build_tensor_table(tensors, plan_.num_states());
+    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunks_);
   }
 
  protected:
@@ -60,7 +61,7 @@ class CpuExecutor : public HostExecutor {
     if (fns_.empty()) {
       default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
         run_element_phase<float>(plan_, ph, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
-                                 table_.data(), groups_, partials_);
+                                 table_.data(), groups_, tensor_reductions_, partials_);
       });
       return;
     }
@@ -70,7 +71,8 @@ class CpuExecutor : public HostExecutor {
     const double* skip = table_.data() + L.skip_offset(groups_);
     PhaseFn fn = fns_[index];
     default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
-      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, L.derived_per_group, phase_partials_.data(), n);
+      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, L.derived_per_group, tensor_reductions_.data(),
+         L.tensor_reductions, phase_partials_.data(), n);
     });
     for (size_t k = 0; k < ph.reductions.size(); ++k) {
       size_t slot = 0;

@@ -215,13 +215,19 @@ class CudaExecutor : public Executor {
   void set_tensors(const std::vector<TensorRef>& tensors) override {
     refuse_while_capturing("changing the tensor set");
     check_alignment(tensors);
-    words_ = build_tensor_table(tensors, plan_.num_states());
-    std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
+    chunks_host_ = build_chunks(tensors, kChunkElems);
+    const std::vector<Chunk>& chunks = chunks_host_;
+    words_ = build_tensor_table(tensors, plan_.num_states(), chunks);
     cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
     cuda::DeviceBuffer partials(plan_.reductions.size() * chunks.size() * sizeof(double));
+    cuda::DeviceBuffer tensor_reductions(tensors.size() * static_cast<size_t>(plan_.layout.tensor_reductions) * sizeof(double));
     uploads_.upload(table.ptr(), words_.data(), words_.size() * sizeof(uint64_t), stream_);
     uploads_.upload(chunk_buf.ptr(), chunks.data(), chunks.size() * sizeof(Chunk), stream_);
     if (partials.size()) cuda::memset_zero(partials.ptr(), partials.size(), stream_);
+    if (tensor_reductions.size()) cuda::memset_zero(tensor_reductions.ptr(), tensor_reductions.size(), stream_);
+    retire(std::move(tensor_reductions_));
+    tensor_reductions_ = std::move(tensor_reductions);
+    num_tensors_ = static_cast<int>(tensors.size());
     retire(std::move(tensor_table_));
     retire(std::move(chunks_));
     retire(std::move(partials_));
@@ -238,8 +244,8 @@ class CudaExecutor : public Executor {
   // table changes here; the next step uploads it (ordered before its kernels).
   void update_pointers(const std::vector<TensorRef>& tensors) override {
     check_alignment(tensors);
-    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states());
-    if (words.size() != words_.size()) return set_tensors(tensors);
+    if (static_cast<int>(tensors.size()) != num_tensors_) return set_tensors(tensors);  // the chunk list would not fit
+    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), chunks_host_);
     words_ = std::move(words);
     words_dirty_ = true;
   }
@@ -260,14 +266,15 @@ class CudaExecutor : public Executor {
       words_dirty_ = capturing;  // the capture has not changed the device copy yet
     }
     CUdeviceptr table = table_.ptr(), partials = partials_.ptr(), tensors = tensor_table_.ptr(), chunks = chunks_.ptr();
-    CUdeviceptr sources = sources_.ptr();
-    int groups = groups_;
+    CUdeviceptr sources = sources_.ptr(), tensor_reductions = tensor_reductions_.ptr();
+    int groups = groups_, num_tensors = num_tensors_;
     long long n = num_chunks_;
     const float* grad_scale = in.grad_scale;
     const float* found_inf = in.found_inf;
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
       CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
-      void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &sources, &grad_scale, &found_inf, &counter};
+      void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
+                      &sources, &grad_scale, &found_inf, &counter};
       cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
     }
     if (!capturing) reap();
@@ -332,7 +339,9 @@ class CudaExecutor : public Executor {
   std::vector<unsigned> grid_;             // per phase, for the current tensor set and group count
   size_t shared_bytes_ = 0;                // dynamic shared memory per block (the groups' uniforms)
   int groups_ = 0;
-  cuda::DeviceBuffer table_, sources_, tensor_table_, chunks_, partials_, counters_;
+  cuda::DeviceBuffer table_, sources_, tensor_table_, chunks_, partials_, tensor_reductions_, counters_;
+  std::vector<Chunk> chunks_host_;         // host copy of the chunk list (tensor-table chunk ranges)
+  int num_tensors_ = 0;
   std::vector<uint64_t> words_;            // host copy of the tensor table
   bool words_dirty_ = false;               // words_ differ from the device copy
   long long num_chunks_ = 0;

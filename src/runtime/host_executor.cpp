@@ -35,6 +35,7 @@ void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {
   tensors_ = tensors;
   chunks_ = build_chunks(tensors_, chunk_elems_);
   partials_.assign(plan_.reductions.size(), std::vector<double>(chunks_.size(), 0.0));
+  tensor_reductions_.assign(tensors_.size() * static_cast<size_t>(plan_.layout.tensor_reductions), 0.0);
 }
 
 void HostExecutor::step(const StepInputs& in) {
@@ -49,7 +50,8 @@ void HostExecutor::step(const StepInputs& in) {
                                                        : static_cast<double>(*static_cast<const float*>(p));
   }
   for (size_t i = 0; i < plan_.phases.size(); ++i) {
-    run_scalar_phase(plan_, i, table_.data(), groups_, partials_);
+    combine_partials(plan_, i, chunks_, partials_, table_.data(), tensor_reductions_);
+    run_scalar_phase(plan_, i, table_.data(), groups_);
     run_phase(i);
   }
 }
@@ -64,7 +66,7 @@ class ReferenceExecutor : public HostExecutor {
  protected:
   void run_phase(size_t index) override {
     run_element_phase<double>(plan_, plan_.phases[index], tensors_, chunks_, 0, chunks_.size(), table_.data(),
-                              groups_, partials_);
+                              groups_, tensor_reductions_, partials_);
   }
 };
 

@@ -33,6 +33,7 @@ class HostExecutor : public Executor {
   std::vector<TensorRef> tensors_;
   std::vector<Chunk> chunks_;
   std::vector<std::vector<double>> partials_;  // [reduction][chunk]
+  std::vector<double> tensor_reductions_;      // [tensor][per-tensor reduction slot]
 };
 
 }  // namespace optfuse

@@ -1,16 +1,21 @@
 // The tensor table generated code walks: per tensor, one pointer per role (param, grad, each
-// state), the element count, the group and the storage dtype. Built once per tensor set as plain
-// 64-bit words so that host and device copies have the same bytes:
-//   word[0..R)  role pointers      word[R]  numel      word[R+1]  group | dtype << 32
-// The generated struct OfTensor { void* ptr[R]; long long numel; int group; int dtype; } matches.
+// state), the element count, the group, the storage dtype and the tensor's chunks. Built once per
+// tensor set as plain 64-bit words so that host and device copies have the same bytes:
+//   word[0..R)  role pointers   word[R]  numel   word[R+1]  group | dtype << 32
+//   word[R+2]   first_chunk | num_chunks << 32   (its chunks are contiguous in the chunk list)
+// The generated struct OfTensor (codegen/abi.cpp) matches.
 #pragma once
 #include <cstdint>
 #include <vector>
 
 #include "optfuse/optimizer.h"
+#include "runtime/chunks.h"
 
 namespace optfuse {
 
-std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states);
+constexpr size_t kTensorTableExtraWords = 3;  // words after the role pointers
+
+std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
+                                         const std::vector<Chunk>& chunks);
 
 }  // namespace optfuse

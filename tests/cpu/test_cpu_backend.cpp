@@ -92,6 +92,13 @@ const std::vector<CpuCase>& cases() {
       {"rmsprop(lr=0.01, weight_decay=0.1, momentum=0.5, centered=true, maximize=true)"},
       {"adagrad(lr=0.1)"},
       {"adagrad(lr=0.1, lr_decay=0.3, weight_decay=0.1, initial_accumulator_value=0.5, maximize=true)"},
+      // Per-tensor reductions (trust ratios), with and without the global clip.
+      {"lamb(lr=0.1)"},
+      {"lamb(lr=0.1, weight_decay=0.1, decoupled_decay=true, trust_clip=true, max_grad_norm=0)"},
+      {"lamb(lr=0.1, weight_decay=0, always_adapt=true, bias_correction=false, grad_averaging=false)"},
+      {"lamb(lr=0.1, weight_decay=0.1, decoupled_decay=true, max_lr=0.2)"},
+      {"lars(lr=0.5, weight_decay=0.1, momentum=0.9)"},
+      {"lars(lr=0.5, weight_decay=0.01, momentum=0.9, nesterov=true, trust_clip=true)"},
   };
   return c;
 }
@@ -221,7 +228,8 @@ INSTANTIATE_TEST_SUITE_P(Chains, CpuVsReference, ::testing::Range<size_t>(0, cas
 
 const char* kThreadSpecs[] = {"chain(clip_by_global_norm(1.0), adamw(lr=0.1))",
                               "chain(skip_if_nonfinite(), clip_by_global_norm(1.0), clip_by_global_norm(0.5), sgd(lr=0.1, momentum=0.9))",
-                              "lion(lr=0.1, weight_decay=0.1)"};
+                              "lion(lr=0.1, weight_decay=0.1)", "lamb(lr=0.1)",
+                              "lars(lr=0.5, weight_decay=0.1, momentum=0.9)"};
 
 // Many chunks (16384 elements each) so that threads really split the work.
 const std::vector<TensorSpec> kThreadSizes = {{300007, 0}, {65537, 1}, {3, 0}, {40000, 1}, {1, 1}};

@@ -68,6 +68,12 @@ std::vector<Case> all_cases() {
   add("trace(nesterov)", make_builtin("trace", {{"nesterov", true}}));
   add("scale_by_rms(centered)", make_builtin("scale_by_rms", {{"centered", true}}));
   add("chain(clip_by_global_norm(1.0), adamw())", chain({clip_by_global_norm(1.0), adamw()}));
+  add("lamb(decoupled_decay, trust_clip, max_lr)",
+      make_builtin("lamb", {{"decoupled_decay", true}, {"trust_clip", true}, {"max_lr", 2e-3}, {"weight_decay", 0.1}}));
+  add("lamb(no clip, always_adapt, no bias correction)",
+      make_builtin("lamb", {{"max_grad_norm", 0.0}, {"weight_decay", 0.0}, {"always_adapt", true}, {"bias_correction", false}}));
+  add("lars(momentum, nesterov, weight_decay, trust_clip)",
+      make_builtin("lars", {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}, {"trust_clip", true}}));
   add("chain(unscale_by_grad_scale(), skip_if_nonfinite(), adam())",
       chain({make_builtin("unscale_by_grad_scale"), make_builtin("skip_if_nonfinite"), adam()}));
   return cases;

@@ -1,0 +1,139 @@
+// Per-tensor reductions (Scope::Tensor), checked against values derived by hand, on the reference
+// evaluator and the CPU backend: each tensor sees the sum over its own elements only, tensor values
+// mix group uniforms and per-tensor sums, a global and a per-tensor reduction share one pass, the
+// planner moves a reduction to the later pass that reads its inputs anyway, and planning errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "optfuse/builtin_rules.h"
+#include "optfuse/error.h"
+#include "optfuse/optimizer.h"
+#include "optfuse/plan.h"
+
+namespace optfuse {
+namespace {
+
+// update = -lr * g * (||g||_tensor^2 + 1) / (||g||_global^2): per-tensor and global sums in one pass.
+Chain scaled_by_tensor_norm() {
+  Rule r("scale_by_tensor_norm");
+  r.hyper("lr", 0.5);
+  r.update([](RuleBuilder& b) {
+    Expr g = b.update();
+    Expr t = b.name(tensor_sum_of_squares(g) + 1.0, "tensor_sq_plus_one");
+    Expr all = global_sum_of_squares(g);
+    return g * (t / all) * -b.hyper("lr");
+  });
+  return {r};
+}
+
+struct Tensors {
+  std::vector<std::vector<float>> p, g;
+  std::vector<TensorRef> refs() {
+    std::vector<TensorRef> out;
+    for (size_t i = 0; i < p.size(); ++i) {
+      TensorRef t;
+      t.param = {p[i].data(), static_cast<int64_t>(p[i].size()), DType::f32};
+      t.grad = {g[i].data(), static_cast<int64_t>(g[i].size()), DType::f32};
+      out.push_back(t);
+    }
+    return out;
+  }
+};
+
+class TensorScope : public ::testing::TestWithParam<Backend> {};
+
+TEST_P(TensorScope, EachTensorSeesOnlyItsOwnElements) {
+  // Tensor 0: g = (1, 2) -> sum 5; tensor 1: g = (3) -> 9; tensor 2: 40000 elements of 0.01 -> 4
+  // (several CPU chunks, combined per tensor); empty tensor 3 -> 0. Global sum 18.
+  Tensors ts;
+  ts.p = {{1, 1}, {1}, std::vector<float>(40000, 1.0f), {}};
+  ts.g = {{1, 2}, {3}, std::vector<float>(40000, 0.01f), {}};
+  Optimizer opt(scaled_by_tensor_norm(), GetParam());
+  opt.set_tensors(ts.refs());
+  opt.step();
+  double global = 1 + 4 + 9 + 40000 * double(0.01f) * double(0.01f);
+  double tensor2 = 40000 * double(0.01f) * double(0.01f);
+  auto want = [&](double g, double tsum) { return 1.0 - 0.5 * g * (tsum + 1.0) / global; };
+  EXPECT_NEAR(ts.p[0][0], want(1, 5), 1e-6);
+  EXPECT_NEAR(ts.p[0][1], want(2, 5), 1e-6);
+  EXPECT_NEAR(ts.p[1][0], want(3, 9), 1e-6);
+  EXPECT_NEAR(ts.p[2][0], want(0.01f, tensor2), 1e-6);
+  EXPECT_NEAR(ts.p[2][39999], want(0.01f, tensor2), 1e-6);
+}
+
+TEST_P(TensorScope, LambTrustRatioIsPerTensor) {
+  // One Adam step from zero state has update = g/(|g| + eps') elementwise (~sign(g)), so with
+  // weight_decay=0 and always_adapt the trust ratio is ||p|| / ||update||; lr = 1 and no clipping.
+  Tensors ts;
+  ts.p = {{3, 4}, {0, 0, 0}, {2}};
+  ts.g = {{1, -1}, {1, 1, 1}, {-0.5}};
+  Optimizer opt(make_builtin("lamb", {{"lr", 1.0}, {"weight_decay", 0.0}, {"always_adapt", true},
+                                      {"max_grad_norm", 0.0}, {"eps", 0.0}}),
+                GetParam());
+  std::vector<std::vector<float>> m = {{0, 0}, {0, 0, 0}, {0}}, v = m;
+  std::vector<TensorRef> refs = ts.refs();
+  for (size_t i = 0; i < refs.size(); ++i)
+    refs[i].states = {{m[i].data(), refs[i].param.numel, DType::f32}, {v[i].data(), refs[i].param.numel, DType::f32}};
+  opt.set_tensors(refs);
+  opt.step();
+  // tensor 0: update (1, -1), ||p|| = 5, ||u|| = sqrt 2 -> p - u * 5/sqrt2
+  EXPECT_NEAR(ts.p[0][0], 3 - 5 / std::sqrt(2.0), 1e-5);
+  EXPECT_NEAR(ts.p[0][1], 4 + 5 / std::sqrt(2.0), 1e-5);
+  // tensor 1: ||p|| = 0 -> ratio 1
+  EXPECT_NEAR(ts.p[1][0], -1, 1e-6);
+  // tensor 2: update -1, ||p|| = 2, ||u|| = 1 -> p + 2
+  EXPECT_NEAR(ts.p[2][0], 4, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TensorScope, ::testing::Values(Backend::reference, Backend::cpu),
+                         [](const auto& info) { return std::string(backend_name(info.param)); });
+
+TEST(TensorScopePlan, GlobalAndTensorSumsShareOnePass) {
+  Plan plan = make_plan(scaled_by_tensor_norm());
+  ASSERT_EQ(plan.phases.size(), 2u);
+  EXPECT_EQ(plan.phases[0].reductions.size(), 2u);
+  EXPECT_EQ(plan.layout.reductions, 1);
+  EXPECT_EQ(plan.layout.tensor_reductions, 1);
+  EXPECT_EQ(plan.layout.tensor_values, 1);
+}
+
+TEST(TensorScopePlan, LambMovesTheParamNormIntoTheUpdateNormPass) {
+  // ||param|| needs no clipping but is only used next to ||update||: it joins that pass, so the
+  // clip pass reads only the gradient (4 B) -> 4 + 16 + 28 = 48 bytes per float32 element.
+  Plan plan = make_plan(make_builtin("lamb"));
+  ASSERT_EQ(plan.phases.size(), 3u);
+  EXPECT_FALSE(plan.phases[0].reads_param);
+  EXPECT_EQ(plan.phases[0].reductions.size(), 1u);
+  EXPECT_EQ(plan.phases[1].reductions.size(), 2u);
+  int bytes = 0;
+  for (const ElementPhase& ph : plan.phases) bytes += 4 * (ph.reads() + ph.writes());
+  EXPECT_EQ(bytes, 48);
+  // Without clipping: one reduce pass (p, g, m, v) and the update.
+  Plan noclip = make_plan(make_builtin("lamb", {{"max_grad_norm", 0.0}}));
+  EXPECT_EQ(noclip.phases.size(), 2u);
+}
+
+TEST(TensorScopePlan, PerTensorValuesCannotSkipTheStep) {
+  Rule r("skip_on_tensor");
+  r.update([](RuleBuilder& b) {
+    b.skip_step_if(tensor_any_nonfinite(b.update()));
+    return b.update();
+  });
+  try {
+    make_plan(Chain{r});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("not a per-tensor one"), std::string::npos) << e.what();
+  }
+}
+
+TEST(TensorScopePlan, ReducingATensorValueIsAnError) {
+  Rule r("reduce_tensor_value");
+  r.update([](RuleBuilder& b) { return b.update() + global_sum_of_squares(tensor_sum_of_squares(b.update())); });
+  EXPECT_THROW(make_plan(Chain{r}), Error);
+}
+
+}  // namespace
+}  // namespace optfuse
