@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing optfuse needs, skipping what is already there:
 # Debian packages (compiler, CMake, Ninja, GoogleTest) and Python packages (build tools, numpy,
-# pytest, matplotlib, torch). The CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda
-# or on PATH; no GPU is needed to build or to run the CPU tests.
+# pytest, matplotlib, torch, expecttest: torch's optim_db, which the tests run, imports it). The
+# CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda or on PATH; no GPU is needed to
+# build or to run the CPU tests.
 set -euo pipefail
 
 missing=()
@@ -32,7 +33,7 @@ if ! command -v nvcc >/dev/null && [ ! -f /usr/local/cuda/include/cuda.h ]; then
 fi
 
 py_missing=()
-for mod in nanobind scikit_build_core numpy pytest matplotlib torch; do
+for mod in nanobind scikit_build_core numpy pytest matplotlib torch expecttest; do
   python3 -c "import $mod" 2>/dev/null || py_missing+=("$mod")
 done
 if [ ${#py_missing[@]} -gt 0 ]; then

@@ -14,6 +14,14 @@
 //   clip_by_global_norm     max_norm=1.0
 //   unscale_by_grad_scale   (none)                   (divides by the grad_scale global; skips on found_inf)
 //   skip_if_nonfinite       (none)                   (skips the whole step if any update is inf/NaN)
+//   scale_by_radam          b1=0.9 b2=0.999 eps=1e-8 (RAdam's rectified update, without lr)
+//   scale_by_adamax         b1=0.9 b2=0.999 eps=1e-8 (exp_avg / (1-b1^t) / exp_inf, exp_inf the decayed max of |u|)
+//   scale_by_adadelta       rho=0.9 eps=1e-6         (Adadelta's delta, without lr)
+//   scale_by_rprop          lr=1e-2 etaminus=0.5 etaplus=1.2 step_size_min=1e-6 step_size_max=50
+//                                                    (sign(u) * per-element step size; step sizes start at lr)
+//   averaged_sgd            lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6   (ASGD: decays and steps the parameter,
+//                                                    keeps the average ax; must be the last rule of a chain;
+//                                                    hyperparameter eta_lr=-1: see builtin_rules.cpp)
 //   clip_by_global_norm_ratio  max_norm=1.0         (u / max(global_norm / max_norm, 1): timm's Lamb clipping)
 //   scale_by_lamb           as lamb below, less max_grad_norm (per-tensor trust ratio ||p|| / ||update||)
 //   scale_by_lars           trust_coeff=0.001 eps=1e-8 weight_decay=0 trust_clip=false always_adapt=false lr=1.0
@@ -23,6 +31,11 @@
 //   lion     lr=1e-4 betas=(0.9,0.99) weight_decay=0
 //   rmsprop  lr=1e-2 alpha=0.99 eps=1e-8 weight_decay=0 momentum=0 centered=false maximize=false
 //   adagrad  lr=1e-2 lr_decay=0 weight_decay=0 initial_accumulator_value=0 eps=1e-10 maximize=false
+//   radam    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 decoupled_weight_decay=false maximize=false
+//   adamax   lr=2e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 maximize=false
+//   adadelta lr=1.0 rho=0.9 eps=1e-6 weight_decay=0 maximize=false
+//   rprop    lr=1e-2 etas=(0.5,1.2) step_sizes=(1e-6,50) maximize=false   (chain ends with scale(-1))
+//   asgd     lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6 weight_decay=0 maximize=false
 //   lamb     lr=1e-3 bias_correction=true betas=(0.9,0.999) eps=1e-6 weight_decay=0.01 grad_averaging=true
 //            max_grad_norm=1.0 (0: none) trust_clip=false always_adapt=false decoupled_decay=false max_lr=0
 //            (timm.optim.Lamb; max_lr > 0 is its corrected_weight_decay with max_lr_snapshot)
@@ -70,6 +83,11 @@ inline Chain adamw(const Args& a = {}) { return make_builtin("adamw", a); }
 inline Chain lion(const Args& a = {}) { return make_builtin("lion", a); }
 inline Chain rmsprop(const Args& a = {}) { return make_builtin("rmsprop", a); }
 inline Chain adagrad(const Args& a = {}) { return make_builtin("adagrad", a); }
+inline Chain radam(const Args& a = {}) { return make_builtin("radam", a); }
+inline Chain adamax(const Args& a = {}) { return make_builtin("adamax", a); }
+inline Chain adadelta(const Args& a = {}) { return make_builtin("adadelta", a); }
+inline Chain rprop(const Args& a = {}) { return make_builtin("rprop", a); }
+inline Chain asgd(const Args& a = {}) { return make_builtin("asgd", a); }
 inline Chain clip_by_global_norm(double max_norm) { return make_builtin("clip_by_global_norm", {{"max_norm", max_norm}}); }
 
 }  // namespace optfuse

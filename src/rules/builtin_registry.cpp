@@ -25,7 +25,8 @@ class Resolved {
   std::map<std::string, ArgValue> v;
   double num(const std::string& n) const { return v.at(n).number; }
   bool flag(const std::string& n) const { return v.at(n).boolean; }
-  double beta(int i) const { return v.at("betas").pair.at(static_cast<size_t>(i)); }
+  double beta(int i) const { return pair("betas", i); }
+  double pair(const std::string& n, int i) const { return v.at(n).pair.at(static_cast<size_t>(i)); }
 };
 
 struct Builtin {
@@ -75,6 +76,15 @@ Chain adam_like(const Resolved& a, bool decoupled) {
   if (decoupled && a.num("weight_decay") != 0)
     c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
   c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+  return c;
+}
+
+// maximize (negate the gradient) and L2 weight decay (add weight_decay * param), in torch's order,
+// as the first rules of most named optimizers.
+Chain maximize_and_l2(const Resolved& a) {
+  Chain c;
+  if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+  if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
   return c;
 }
 
@@ -193,6 +203,73 @@ const std::map<std::string, Builtin>& registry() {
           if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
           c.push_back(rules::scale_by_adagrad(a.num("eps"), a.num("initial_accumulator_value"), a.num("lr_decay")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"scale_by_radam",
+       {{{"b1", 0.9}, {"b2", 0.999}, {"eps", 1e-8}},
+        [](const Resolved& a) { return Chain{rules::scale_by_radam(a.num("b1"), a.num("b2"), a.num("eps"))}; }}},
+      {"scale_by_adamax",
+       {{{"b1", 0.9}, {"b2", 0.999}, {"eps", 1e-8}},
+        [](const Resolved& a) { return Chain{rules::scale_by_adamax(a.num("b1"), a.num("b2"), a.num("eps"))}; }}},
+      {"scale_by_adadelta",
+       {{{"rho", 0.9}, {"eps", 1e-6}},
+        [](const Resolved& a) { return Chain{rules::scale_by_adadelta(a.num("rho"), a.num("eps"))}; }}},
+      {"scale_by_rprop",
+       {{{"lr", 1e-2}, {"etaminus", 0.5}, {"etaplus", 1.2}, {"step_size_min", 1e-6}, {"step_size_max", 50.0}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_rprop(a.num("lr"), a.num("etaminus"), a.num("etaplus"), a.num("step_size_min"),
+                                             a.num("step_size_max"))};
+        }}},
+      {"averaged_sgd",
+       {{{"lr", 1e-2}, {"lambd", 1e-4}, {"alpha", 0.75}, {"t0", 1e6}},
+        [](const Resolved& a) {
+          return Chain{rules::averaged_sgd(a.num("lr"), a.num("lambd"), a.num("alpha"), a.num("t0"))};
+        }}},
+      {"radam",
+       {{{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"decoupled_weight_decay", false},
+         {"maximize", false}},
+        [](const Resolved& a) {
+          bool decoupled = a.flag("decoupled_weight_decay");
+          double wd = a.num("weight_decay");
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          if (!decoupled && wd != 0) c.push_back(rules::add_decayed_weights(wd));
+          c.push_back(rules::scale_by_radam(a.beta(0), a.beta(1), a.num("eps")));
+          if (decoupled && wd != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), wd));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"adamax",
+       {{{"lr", 2e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c = maximize_and_l2(a);
+          c.push_back(rules::scale_by_adamax(a.beta(0), a.beta(1), a.num("eps")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"adadelta",
+       {{{"lr", 1.0}, {"rho", 0.9}, {"eps", 1e-6}, {"weight_decay", 0.0}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c = maximize_and_l2(a);
+          c.push_back(rules::scale_by_adadelta(a.num("rho"), a.num("eps")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      {"rprop",
+       {{{"lr", 1e-2}, {"etas", {0.5, 1.2}}, {"step_sizes", {1e-6, 50.0}}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          c.push_back(rules::scale_by_rprop(a.num("lr"), a.pair("etas", 0), a.pair("etas", 1), a.pair("step_sizes", 0),
+                                            a.pair("step_sizes", 1)));
+          c.push_back(rules::scale(-1.0));
+          return c;
+        }}},
+      {"asgd",
+       {{{"lr", 1e-2}, {"lambd", 1e-4}, {"alpha", 0.75}, {"t0", 1e6}, {"weight_decay", 0.0}, {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c = maximize_and_l2(a);
+          c.push_back(rules::averaged_sgd(a.num("lr"), a.num("lambd"), a.num("alpha"), a.num("t0")));
           return c;
         }}},
   };

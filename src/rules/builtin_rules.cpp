@@ -160,4 +160,144 @@ Rule skip_if_nonfinite() {
   });
 }
 
+// A uniform (float64) value rounded to float32 precision, still as a float64: Veltkamp's split
+// (c = x * (2^29 + 1); x rounded to 53 - 29 = 24 significant bits is c - (c - x)), exact for
+// normal float32 magnitudes, ties aside. Used where torch keeps a per-step scalar in a float32
+// tensor and then does float64 math with its value (ASGD's eta and mu): the uniform value must be
+// rounded before that math, not only where it meets element values. Uniform values only: on an
+// element value this would be float32 arithmetic and mean nothing. (No float64 contraction happens:
+// scalar phases run in the interpreter, generated code is compiled without fp contraction.)
+static Expr round_uniform_to_f32(Expr x) {
+  Expr c = x * 536870913.0;
+  return c - (c - x);
+}
+
+// RAdam (Liu et al. 2019) as torch.optim.RAdam: Adam's moments; while the length of the
+// approximated SMA rho_t is <= 5 the update is the bias-corrected first moment alone, after that
+// it is multiplied by the adaptive term sqrt(1 - b2^t) / (sqrt(v) + eps) and the rectification
+// sqrt((rho_t-4)(rho_t-2)rho_inf / ((rho_inf-4)(rho_inf-2)rho_t)). All of rho and the
+// rectification are uniform (float64, as torch computes them in Python); the branch is a select.
+Rule scale_by_radam(double b1, double b2, double eps) {
+  Rule r("scale_by_radam");
+  r.hyper("b1", b1, kBeta).hyper("b2", b2, kBeta).hyper("eps", eps, Range::non_negative());
+  r.state("exp_avg").state("exp_avg_sq");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), t = b.step();
+    Expr b1 = b.hyper("b1"), b2 = b.hyper("b2");
+    Expr m = b.name(lerp(b.state("exp_avg"), u, 1.0 - b1), "exp_avg_new");
+    Expr v = b.name(b.state("exp_avg_sq") * b2 + (1.0 - b2) * u * u, "exp_avg_sq_new");
+    b.set_state("exp_avg", m);
+    b.set_state("exp_avg_sq", v);
+    Expr bc1 = b.name(1.0 - pow(b1, t), "bias_correction1");
+    Expr bc2 = b.name(1.0 - pow(b2, t), "bias_correction2");
+    Expr m_hat = b.name(m / bc1, "bias_corrected_exp_avg");
+    Expr rho_inf = b.name(2.0 / (1.0 - b2) - 1.0, "rho_inf");
+    Expr rho_t = b.name(rho_inf - 2.0 * t * pow(b2, t) / bc2, "rho_t");
+    // torch writes x ** 0.5 for both square roots: pow, not sqrt (they may differ in the last bit).
+    Expr rect = b.name(pow((rho_t - 4.0) * (rho_t - 2.0) * rho_inf / ((rho_inf - 4.0) * (rho_inf - 2.0) * rho_t), 0.5),
+                       "rectification");
+    Expr adaptive = b.name(pow(bc2, 0.5) / (sqrt(v) + b.hyper("eps")), "adaptive_lr");
+    return select(b.name(rho_t > 5.0, "rectified"), (m_hat * adaptive) * rect, m_hat);
+  });
+}
+
+// Adamax (Kingma & Ba 2015, section 7.1) as torch.optim.Adamax: exp_inf = max(b2 exp_inf,
+// |u| + eps) (NaN-propagating, as torch.maximum); update = exp_avg / (1 - b1^t) / exp_inf.
+Rule scale_by_adamax(double b1, double b2, double eps) {
+  Rule r("scale_by_adamax");
+  r.hyper("b1", b1, kBeta).hyper("b2", b2, kBeta).hyper("eps", eps, Range::non_negative());
+  r.state("exp_avg").state("exp_inf");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), t = b.step();
+    Expr b1 = b.hyper("b1");
+    Expr m = b.name(lerp(b.state("exp_avg"), u, 1.0 - b1), "exp_avg_new");
+    Expr e = b.name(max(b.state("exp_inf") * b.hyper("b2"), abs(u) + b.hyper("eps")), "exp_inf_new");
+    b.set_state("exp_avg", m);
+    b.set_state("exp_inf", e);
+    Expr inv_bc1 = b.name(1.0 / (1.0 - pow(b1, t)), "inv_bias_correction1");
+    return (m * inv_bc1) / e;
+  });
+}
+
+// Adadelta (Zeiler 2012) as torch.optim.Adadelta (lr is applied by the next rule):
+// square_avg = rho square_avg + (1-rho) u^2; delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * u;
+// acc_delta = rho acc_delta + (1-rho) delta^2; update = delta.
+Rule scale_by_adadelta(double rho, double eps) {
+  Rule r("scale_by_adadelta");
+  r.hyper("rho", rho, Range{0, 1, false, false}).hyper("eps", eps, Range::non_negative());
+  r.state("square_avg").state("acc_delta");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), rho = b.hyper("rho"), eps = b.hyper("eps");
+    Expr sq = b.name(b.state("square_avg") * rho + (1.0 - rho) * u * u, "square_avg_new");
+    Expr std_ = b.name(sqrt(sq + eps), "std");
+    Expr delta = b.name(sqrt(b.state("acc_delta") + eps) / std_ * u, "delta");
+    b.set_state("square_avg", sq);
+    b.set_state("acc_delta", b.state("acc_delta") * rho + (1.0 - rho) * delta * delta);
+    return delta;
+  });
+}
+
+// Rprop as torch.optim.Rprop (and optax.scale_by_rprop: the update is sign * step size; the
+// named optimizer negates it). Per element: s = sign(u * prev); the step size is multiplied by
+// etaplus (s > 0), etaminus (s < 0) or 1 (s == 0; NaN stays NaN) and clamped to
+// [step_size_min, step_size_max]; where the factor is etaminus the update u is replaced by 0 (and
+// so is the prev kept for the next step); update = sign(u) * step_size. torch starts step_size at
+// lr: here the step size read on a group's first step is lr (later lr changes do not matter, as
+// in torch).
+Rule scale_by_rprop(double lr, double etaminus, double etaplus, double step_size_min, double step_size_max) {
+  Rule r("scale_by_rprop");
+  r.hyper("lr", lr, Range::non_negative())
+      .hyper("etaminus", etaminus, Range{0, 1, true, true})
+      .hyper("etaplus", etaplus, Range{1, 1e308, true, false})
+      .hyper("step_size_min", step_size_min)
+      .hyper("step_size_max", step_size_max);
+  r.state("prev").state("step_size");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), etaminus = b.hyper("etaminus");
+    Expr s = b.name(sign(u * b.state("prev")), "prev_sign");
+    Expr factor = b.name(select(s > b.constant(0.0), b.hyper("etaplus"),
+                                select(s < b.constant(0.0), etaminus, select(s == 0.0, b.constant(1.0), s))),
+                         "step_size_factor");
+    Expr old = select(b.step() == 1.0, b.hyper("lr"), b.state("step_size"));
+    Expr ss = b.name(min(max(old * factor, b.hyper("step_size_min")), b.hyper("step_size_max")), "step_size_new");
+    Expr kept = b.name(select(factor == etaminus, b.constant(0.0), u), "kept_update");
+    b.set_state("step_size", ss);
+    b.set_state("prev", kept);
+    return sign(kept) * ss;
+  });
+}
+
+// ASGD as torch.optim.ASGD, the last rule of its chain (it reads the new parameter to update the
+// average): param <- param * (1 - lambd * eta) - eta * u, then ax <- param if mu == 1 else
+// ax + (param - ax) * mu. torch keeps eta and mu as per-parameter scalars that it sets at the end
+// of each step; they are closed forms of the step count, so here they are uniform values: the eta
+// used at step t is lr at t = 1, then eta_lr / (1 + lambd * eta_lr * (t - 1))^alpha, and mu is 1
+// at t = 1, then 1 / max(1, t - 1 - t0); both rounded to float32 as torch stores them. eta_lr is
+// the lr torch computed that eta with (at the end of the previous step); < 0 (the default) means
+// lr. (The PyTorch front end sets it to the previous step's lr so that lr schedules match torch.)
+Rule averaged_sgd(double lr, double lambd, double alpha, double t0) {
+  Rule r("averaged_sgd");
+  r.hyper("lr", lr, Range::non_negative())
+      .hyper("lambd", lambd, Range::non_negative())
+      .hyper("alpha", alpha, Range::non_negative())
+      .hyper("t0", t0)
+      .hyper("eta_lr", -1.0);
+  r.state("ax");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), t = b.step(), lr = b.hyper("lr"), lambd = b.hyper("lambd");
+    Expr elr = select(b.hyper("eta_lr") < b.constant(0.0), lr, b.hyper("eta_lr"));
+    Expr eta_t = select(t == 1.0, lr, elr / pow(1.0 + lambd * elr * (t - 1.0), b.hyper("alpha")));
+    Expr eta = b.name(round_uniform_to_f32(eta_t), "eta");
+    Expr mu_t = select(t == 1.0, b.constant(1.0), 1.0 / max(b.constant(1.0), (t - 1.0) - b.hyper("t0")));
+    Expr mu = b.name(round_uniform_to_f32(mu_t), "mu");
+    Expr decay = b.name(1.0 - lambd * eta, "decay_factor");
+    b.scale_param(decay);
+    Expr update = u * -eta;
+    Expr param_new = b.param() * decay + update;  // the chain's new parameter (this rule is last)
+    Expr ax = b.state("ax");
+    b.set_state("ax", select(mu != 1.0, ax + (param_new - ax) * mu, param_new));
+    return update;
+  });
+}
+
 }  // namespace optfuse::rules

@@ -17,5 +17,10 @@ Rule scale_by_adagrad(double eps, double initial_accumulator_value, double lr_de
 Rule clip_by_global_norm(double max_norm);
 Rule unscale_by_grad_scale();
 Rule skip_if_nonfinite();
+Rule scale_by_radam(double b1, double b2, double eps);
+Rule scale_by_adamax(double b1, double b2, double eps);
+Rule scale_by_adadelta(double rho, double eps);
+Rule scale_by_rprop(double lr, double etaminus, double etaplus, double step_size_min, double step_size_max);
+Rule averaged_sgd(double lr, double lambd, double alpha, double t0);
 
 }  // namespace optfuse::rules

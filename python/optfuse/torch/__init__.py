@@ -8,6 +8,7 @@ turn a running torch optimizer into its fused equivalent.
 from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
-from ._optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop  # noqa: F401
+from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, RAdam, RMSprop, Rprop  # noqa: F401
 
-__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Lion", "Lamb", "Lars", "Fused", "fuse", "FusedOptimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion",
+           "Lamb", "Lars", "Fused", "fuse", "FusedOptimizer"]

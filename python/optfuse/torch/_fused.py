@@ -4,7 +4,7 @@ import torch
 
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError
-from ._optimizers import SGD, Adagrad, Adam, AdamW, RMSprop
+from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, RAdam, RMSprop, Rprop
 
 
 class Fused(FusedOptimizer):
@@ -64,11 +64,17 @@ _FUSABLE = {
     torch.optim.AdamW: AdamW,
     torch.optim.Adagrad: Adagrad,
     torch.optim.RMSprop: RMSprop,
+    torch.optim.RAdam: RAdam,
+    torch.optim.Adamax: Adamax,
+    torch.optim.Adadelta: Adadelta,
+    torch.optim.Rprop: Rprop,
+    torch.optim.ASGD: ASGD,
 }
 
 
 def fuse(opt):
-    """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad or RMSprop, mid-training:
+    """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
+    Rprop or ASGD, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only)."""
     cls = _FUSABLE.get(type(opt))

@@ -1,0 +1,219 @@
+"""torch's own optimizer test grid against every optfuse.torch drop-in.
+
+torch.testing._internal.common_optimizers.optim_db lists, per torch.optim class, the constructor
+configurations torch tests itself with (OptimizerInfo.optim_inputs_func) and the inputs its
+constructor must refuse (optim_error_inputs_func). For every class with an optfuse.torch drop-in
+this runs each configuration, 20 steps on conftest's MLP with new gradients every step (zero_grad,
+forward, backward, step), optfuse's class against torch's for-loop implementation (foreach=False):
+max|p_ours - p_torch| / max|p_torch| <= 1e-6 on CPU (2e-6 on CUDA, see test_torch_parity.py), and
+state_dict()['state'] with torch's keys, equal steps and every state tensor within 1e-4 of torch's
+relative to its largest element.
+
+Besides each configuration as given, the implementation flags torch's grid crosses it with
+(OptimizerInfo.supported_impls) and the inputs optfuse cannot take:
+  foreach=True, fused=True   accepted and ignored (the kernel is always fused): must match torch's
+                             for-loop implementation like the configuration as given;
+  differentiable=True        must raise OptfuseError (optfuse steps outside autograd);
+  complex parameters         must raise OptfuseError (classes whose torch version takes them);
+  capturable=True on CPU     torch refuses to step it; optfuse (always capturable) must match
+                             torch's for-loop implementation without it;
+  a combination torch's own constructor refuses must be refused by optfuse's with the same
+  exception type (none in this torch version's CPU grid).
+A configuration whose parameters torch's grid supplies itself (OptimizerInput.params) would be
+skipped with its reason printed; none of this torch version's has any. Every outcome is counted
+and printed per class (run with -s to see the table).
+"""
+import collections
+import copy
+
+import pytest
+import torch
+
+import optfuse.torch as oft
+from conftest import make_model, rel_diff, train
+
+common_optimizers = pytest.importorskip(
+    "torch.testing._internal.common_optimizers",
+    reason="torch's optim_db needs the expecttest package (scripts/setup.sh installs it)")
+optim_db = common_optimizers.optim_db
+OptimizerErrorEnum = common_optimizers.OptimizerErrorEnum
+
+STEPS = 20
+F32_TOL = 1e-6
+CUDA_F32_TOL = 2e-6  # torch's CUDA kernels contract multiply-adds into FMAs; optfuse's do not
+STATE_TOL = 1e-4     # state tensors, relative to their own largest element (as test_training_loop.py)
+DROP_INS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD"]
+
+
+def _infos():
+    by_name = {info.optim_cls.__name__: info for info in optim_db}
+    missing = [n for n in DROP_INS if n not in by_name]
+    assert not missing, f"torch's optim_db has no entry for {missing}"
+    return [by_name[n] for n in DROP_INS]
+
+
+INFOS = _infos()
+
+
+def test_every_drop_in_is_in_the_grid():
+    """The grid below covers every optfuse.torch class that replaces a torch.optim class."""
+    replacing = sorted(n for n in oft.__all__
+                       if isinstance(getattr(oft, n), type) and issubclass(getattr(oft, n), oft.FusedOptimizer)
+                       and hasattr(torch.optim, n))
+    assert replacing == sorted(DROP_INS)
+
+
+def _run(cls, kwargs, device):
+    model = make_model(device)
+    opt = cls(model.parameters(), **copy.deepcopy(kwargs))
+    train(model, opt, STEPS, device)
+    return model, opt
+
+
+def _state_mismatch(ours, ref):
+    """Where optfuse's state_dict()['state'] differs from torch's: keys, steps (exactly) or a state
+    tensor by more than STATE_TOL relative to its own largest element (None if nowhere)."""
+    a, b = ours.state_dict()["state"], ref.state_dict()["state"]
+    if a.keys() != b.keys():
+        return f"state entries for parameters {sorted(a)}, torch's for {sorted(b)}"
+    for i, theirs in b.items():
+        if a[i].keys() != theirs.keys():
+            return f"parameter {i}: state keys {sorted(a[i])}, torch's {sorted(theirs)}"
+        for k, v in theirs.items():
+            mine = a[i][k]
+            if k == "step":
+                if float(mine) != float(v):
+                    return f"parameter {i}: step {float(mine)} != torch's {float(v)}"
+                continue
+            scale = max(v.detach().float().abs().max().item(), 1e-30)
+            err = (mine.detach().float() - v.detach().float()).abs().max().item() / scale
+            if not err <= STATE_TOL:
+                return f"parameter {i}: state {k!r} differs from torch's by {err:.3g} (relative)"
+    return None
+
+
+def _variants(info, kwargs, device):
+    """(name, kwargs for optfuse, expected outcome) for one configuration of the grid."""
+    out = [("as given", dict(kwargs), "match")]
+    impls = info.supported_impls
+    if "foreach" in impls and "foreach" not in kwargs:
+        out.append(("foreach=True", dict(kwargs, foreach=True), "match"))
+    if "fused" in impls and device.type in info.supports_fused_on and "fused" not in kwargs:
+        out.append(("fused=True", dict(kwargs, fused=True), "match"))
+    if "differentiable" in impls:
+        out.append(("differentiable=True", dict(kwargs, differentiable=True), "error:differentiable"))
+    if info.has_capturable_arg and device.type == "cpu" and not kwargs.get("capturable"):
+        out.append(("capturable=True on CPU", dict(kwargs, capturable=True), "match"))
+    if info.supports_complex:
+        out.append(("complex parameters", dict(kwargs), "error:complex"))
+    return out
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[i.optim_cls.__name__ for i in INFOS])
+def test_optim_db_configurations_match_torch(info, device, capsys, record_property):
+    name = info.optim_cls.__name__
+    ours_cls = getattr(oft, name)
+    tol = CUDA_F32_TOL if device.type == "cuda" else F32_TOL
+    inputs = info.optim_inputs_func(device=device, dtype=torch.float32)
+    assert inputs, f"torch's grid has no configuration for {name}"
+    counts = collections.Counter()
+    lines, failures = [], []
+    for inp in inputs:
+        if inp.params is not None:
+            counts["skipped"] += 1
+            lines.append(f"  SKIP {inp.desc!r}: the configuration brings its own parameters ({inp.params!r})")
+            continue
+        for variant, kw, expect in _variants(info, inp.kwargs, device):
+            label = f"{inp.desc!r} [{variant}] {kw}"
+            if expect == "error:differentiable":
+                model = make_model(device)
+                with pytest.raises(oft.OptfuseError, match="differentiable=True is not supported"):
+                    ours_cls(model.parameters(), **copy.deepcopy(kw))
+                counts["raised OptfuseError"] += 1
+                lines.append(f"  ERROR (expected) {label}")
+                continue
+            if expect == "error:complex":
+                p = torch.randn(3, 4, dtype=torch.complex64, device=device, requires_grad=True)
+                with pytest.raises(oft.OptfuseError, match="complex parameters are not supported"):
+                    ours_cls([p], **copy.deepcopy(kw))
+                counts["raised OptfuseError"] += 1
+                lines.append(f"  ERROR (expected) {label}")
+                continue
+            try:  # a combination torch's own constructor refuses: the drop-in must refuse it alike
+                info.optim_cls([torch.zeros(2, device=device, requires_grad=True)], **copy.deepcopy(kw))
+            except Exception as e:  # noqa: BLE001
+                with pytest.raises(type(e)):
+                    ours_cls(make_model(device).parameters(), **copy.deepcopy(kw))
+                counts["refused as torch"] += 1
+                lines.append(f"  REFUSED (as torch: {type(e).__name__}: {e}) {label}")
+                continue
+            ref_kw = {k: v for k, v in kw.items() if k not in ("fused", "foreach")}
+            ref_kw["foreach"] = False
+            if device.type == "cpu":
+                ref_kw.pop("capturable", None)  # torch refuses capturable=True with CPU parameters
+            ref_model, ref = _run(info.optim_cls, ref_kw, device)
+            try:
+                ours_model, ours = _run(ours_cls, kw, device)
+            except Exception as e:  # noqa: BLE001 - reported below with the configuration
+                failures.append(f"{label}: optfuse raised {type(e).__name__}: {e}")
+                continue
+            d = rel_diff(ours_model, ref_model)
+            moved = rel_diff(ref_model, make_model(device))
+            state = _state_mismatch(ours, ref)
+            if not d <= tol:
+                failures.append(f"{label}: parameters differ from torch's by {d:.3g} (relative), tolerance {tol:g}")
+            elif not moved > 100 * tol:
+                failures.append(f"{label}: training moved the parameters by only {moved:.3g}: a vacuous comparison")
+            elif state is not None:
+                failures.append(f"{label}: {state}")
+            else:
+                counts["passed"] += 1
+                lines.append(f"  PASS {label}: {d:.2g} (moved {moved:.2g})")
+    summary = (f"optim_db {name} on {device.type}: {len(inputs)} configurations, "
+               + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    record_property("optim_db_counts", summary)
+    with capsys.disabled():
+        print("\n" + summary)
+    print("\n".join(lines))  # captured: shown with -s or -rP
+    assert not failures, "\n".join(failures)
+    # every configuration of torch's grid, as given, is one of the passes
+    assert counts["passed"] >= len(inputs) - counts["skipped"]
+
+
+def _error_params(inp, device):
+    if inp.params is not None:
+        return inp.params
+    return [torch.nn.Parameter(torch.randn(2, 3, device=device))]
+
+
+@pytest.mark.parametrize("info", INFOS, ids=[i.optim_cls.__name__ for i in INFOS])
+def test_optim_db_error_inputs_are_refused_like_torch(info, device, capsys):
+    """torch's grid of invalid constructor inputs: optfuse raises (or warns) what torch does."""
+    name = info.optim_cls.__name__
+    ours_cls = getattr(oft, name)
+    errors = info.optim_error_inputs_func(device=device, dtype=torch.float32)
+    assert errors
+    counts = collections.Counter()
+    for err in errors:
+        inp = err.optimizer_error_input
+        make = (lambda cls: cls(_error_params(inp, device), **copy.deepcopy(inp.kwargs)))
+        if err.error_on == OptimizerErrorEnum.CONSTRUCTION_ERROR:
+            if issubclass(err.error_type, Warning):
+                with pytest.warns(err.error_type, match=err.error_regex):
+                    make(ours_cls)
+                counts["warned as torch"] += 1
+            else:
+                with pytest.raises(err.error_type, match=err.error_regex):
+                    make(ours_cls)
+                counts["raised as torch"] += 1
+        else:  # STEP_ERROR: none in this torch version for these classes; checked the same way
+            opt = make(ours_cls)
+            ctx = (pytest.warns(err.error_type, match=err.error_regex) if issubclass(err.error_type, Warning)
+                   else pytest.raises(err.error_type, match=err.error_regex))
+            with ctx:
+                opt.step()
+            counts["step error as torch"] += 1
+    with capsys.disabled():
+        print(f"\noptim_db errors {name} on {device.type}: {len(errors)} inputs, "
+              + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    assert sum(counts.values()) == len(errors)

@@ -1,0 +1,133 @@
+"""The loop users write (zero_grad() every step, forward, backward, step(), scheduler.step()) for
+the drop-ins RAdam, Adamax, Adadelta, Rprop and ASGD, against torch's for-loop implementation
+(foreach=False) on a deep copy of the same model: with lr schedulers (lr as a number and as a
+tensor that the scheduler fills in place), and with parameters that lack a gradient on some steps.
+
+The helpers and tolerances are test_training_loop.py's (assert_same_training: parameters within
+1e-6 relative, or up to 10x that while as faithful to float64 math as torch's own float32 run;
+state within 1e-4 of torch's relative to each tensor's largest element; steps exact).
+"""
+import pytest
+import torch
+
+import optfuse.torch as oft
+from optfuse.torch._optimizers import _solve_eta_lr
+from conftest import make_model, twin
+from test_training_loop import (STEPS, _drop_some_grads, assert_same_training, loop, loss_with_holes,
+                                make_holey_model, make_scheduler, torch_cls, torch_run)
+
+CASES = [
+    ("RAdam", dict(lr=1e-2, weight_decay=0.1)),
+    ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)),
+    ("Adamax", dict(lr=1e-2, weight_decay=0.1)),
+    ("Adadelta", dict(lr=0.5, rho=0.8, weight_decay=0.01)),
+    ("Rprop", dict(lr=1e-3, etas=(0.4, 1.3))),  # torch's Rprop reads lr only on a parameter's first step
+    ("ASGD", dict(lr=0.05, lambd=0.1, t0=10, weight_decay=0.01)),  # eta from the previous step's lr
+]
+
+
+def case_id(case):
+    name, kw = case
+    return name + "".join(f"-{k}={v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("sched", ["StepLR", "CosineAnnealingLR"])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_training_loop_with_lr_scheduler(case, sched, device):
+    name, kw = case
+    model = make_model(device)
+    start, ref_model = twin(model), twin(model)
+    ours = getattr(oft, name)(model.parameters(), **kw)
+    ref = torch_cls(name)(ref_model.parameters(), foreach=False, **kw)
+    s_ours, s_ref = make_scheduler(sched, ours), make_scheduler(sched, ref)
+    loop(model, ours, device, scheduler=s_ours)
+    loop(ref_model, ref, device, scheduler=s_ref)
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert ref.param_groups[0]["lr"] < 0.5 * kw["lr"], "the schedule did not change lr: the test would be vacuous"
+    assert_same_training(model, ref_model, ours, ref, device, start, f64=torch_run(name, kw, device, sched=sched))
+
+
+@pytest.mark.parametrize("sched", ["StepLR", "CosineAnnealingLR"])
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_scheduler_fills_a_tensor_lr(case, sched, device):
+    """lr given as a tensor on the parameters' device: the scheduler fill_()s it, the kernel reads it."""
+    name, kw = case
+    runs = []
+    for cls in (getattr(oft, name), lambda params, **k: torch_cls(name)(params, foreach=False, **k)):
+        model = make_model(device)
+        start = twin(model)
+        lr = torch.tensor(kw["lr"], device=device)
+        opt = cls(model.parameters(), **dict(kw, lr=lr))
+        scheduler = make_scheduler(sched, opt)
+        loop(model, opt, device, scheduler=scheduler)
+        assert opt.param_groups[0]["lr"] is lr
+        assert lr.item() < 0.5 * kw["lr"], "the schedule did not change lr: the test would be vacuous"
+        runs.append((model, opt))
+    (model, ours), (ref_model, ref) = runs
+    assert ours.param_groups[0]["lr"].item() == ref.param_groups[0]["lr"].item()
+    assert_same_training(model, ref_model, ours, ref, device, start)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_training_loop_parameters_without_grad_on_some_steps(case, device):
+    name, kw = case
+    model = make_holey_model(device)
+    start, ref_model = twin(model), twin(model)
+    ours = getattr(oft, name)(model.parameters(), **kw)
+    ref = torch_cls(name)(ref_model.parameters(), foreach=False, **kw)
+    loop(model, ours, device, extra=loss_with_holes, after_backward=_drop_some_grads)
+    loop(ref_model, ref, device, extra=loss_with_holes, after_backward=_drop_some_grads)
+    assert_same_training(model, ref_model, ours, ref, device, start, f64=torch_run(name, kw, device, holes=True))
+    steps = {i: float(st["step"]) for i, st in ref.state_dict()["state"].items()}
+    assert len(set(steps.values())) == 3, f"expected three different step counts, torch has {steps}"
+    assert max(steps.values()) == STEPS
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_parameters_without_grad_on_some_steps_with_lr_scheduler(case, device):
+    """ASGD is the one that needs this: a parameter that skipped steps computes its eta from the lr
+    of its own last step, which a scheduler made different from its group's lr of the last step."""
+    name, kw = case
+    model = make_holey_model(device)
+    start, ref_model = twin(model), twin(model)
+    ours = getattr(oft, name)(model.parameters(), **kw)
+    ref = torch_cls(name)(ref_model.parameters(), foreach=False, **kw)
+    loop(model, ours, device, extra=loss_with_holes, after_backward=_drop_some_grads,
+         scheduler=make_scheduler("StepLR", ours))
+    loop(ref_model, ref, device, extra=loss_with_holes, after_backward=_drop_some_grads,
+         scheduler=make_scheduler("StepLR", ref))
+    assert ref.param_groups[0]["lr"] < 0.5 * kw["lr"]
+    assert_same_training(model, ref_model, ours, ref, device, start,
+                         f64=torch_run(name, kw, device, holes=True, sched="StepLR"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
+def test_resume_from_torch_with_parameters_of_different_histories(case, device):
+    """torch trains 22 steps (parameters skipping steps, lr schedule), optfuse loads its state dict
+    and trains 8 more: the same as torch training all 30 (ASGD: each parameter's eta, computed with
+    the lr of its own last step, is recovered from its state)."""
+    name, kw = case
+    straight = make_holey_model(device)
+    start, model = twin(straight), twin(straight)
+    ref = torch_cls(name)(straight.parameters(), foreach=False, **kw)
+    sched = make_scheduler("StepLR", ref)
+    loop(straight, ref, device, extra=loss_with_holes, after_backward=_drop_some_grads, scheduler=sched)
+
+    first = torch_cls(name)(model.parameters(), foreach=False, **kw)
+    first_sched = make_scheduler("StepLR", first)
+    half = 22  # StepLR halves lr from step 21 on, which the aux parameter skips (21 % 3 == 0)
+    loop(model, first, device, steps=half, extra=loss_with_holes, after_backward=_drop_some_grads,
+         scheduler=first_sched)
+    if name == "ASGD":  # the parameters' etas come from different lrs: one eta_lr per group would not do
+        lrs = {round(_solve_eta_lr(float(st["eta"]), kw["lambd"], kw.get("alpha", 0.75), float(st["step"])), 9)
+               for st in first.state_dict()["state"].values()}
+        assert len(lrs) > 1, lrs
+    ours = getattr(oft, name)(model.parameters(), **kw)
+    ours.load_state_dict(first.state_dict())
+    ours_sched = make_scheduler("StepLR", ours)
+    ours_sched.load_state_dict(first_sched.state_dict())
+    loop(model, ours, device, steps=STEPS - half, start=half, extra=loss_with_holes,
+         after_backward=_drop_some_grads, scheduler=ours_sched)
+    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert_same_training(model, straight, ours, ref, device, start,
+                         f64=torch_run(name, kw, device, holes=True, sched="StepLR"))
