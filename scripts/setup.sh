@@ -41,3 +41,9 @@ if [ ${#py_missing[@]} -gt 0 ]; then
   echo "setup: installing Python packages: ${pkgs[*]}"
   python3 -m pip install -q "${pkgs[@]}"
 fi
+# timm.optim (Lamb, Lars) is the reference of optfuse.torch.Lamb/Lars; installed after torch so that
+# pip picks the torchvision built for that torch.
+if ! python3 -c "import timm.optim" 2>/dev/null; then
+  echo "setup: installing Python packages: timm"
+  python3 -m pip install -q timm
+fi
