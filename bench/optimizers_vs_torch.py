@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
+from training_loop import copy_bandwidth, events  # noqa: E402  (one definition of the floor's bandwidth)
 
 import optfuse  # noqa: E402
 import optfuse.torch as oft  # noqa: E402
@@ -115,26 +116,6 @@ def competitors(name):
     if name in ("Adam", "AdamW", "SGD", "Adagrad"):
         out.append(("torch fused", lambda ps, kw, c=cls: c(ps, fused=True, **kw)))
     return out
-
-
-def events():
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-
-def copy_bandwidth(elements, runs=10):
-    n = 14 * elements
-    src = torch.ones(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(runs + 2):
-        a, b = events()
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        if i >= 2:
-            times.append(a.elapsed_time(b))
-    return 2 * n / (statistics.median(times) * 1e-3)
 
 
 def plan_bytes(spec):

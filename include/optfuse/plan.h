@@ -71,6 +71,8 @@ struct Plan {
 
   int num_states() const { return static_cast<int>(program.states.size()); }
   Scope scope_of(size_t reduction) const { return reduction_scope(program.graph.node(reductions[reduction])); }
+  // The index in `reductions` (and in the partials) of a reduction node.
+  size_t reduction_index(NodeId node) const;
   // Uniform and tensor values a phase may use: those of lower levels (and all for the update phase).
   int value_level_limit(const ElementPhase& ph) const {
     return ph.kind == ElementPhase::Kind::Update ? ph.level : ph.level - 1;

@@ -273,9 +273,7 @@ std::string CPrinter::scalar_function(size_t phase) const {
       case Op::Global: rhs = "globals[" + std::to_string(n.index) + "]"; break;
       case Op::SumSquares:
       case Op::AnyNonFinite: {
-        size_t r = 0;
-        while (plan_.reductions[r] != static_cast<NodeId>(i)) ++r;
-        rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[r]) + "]";
+        rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))]) + "]";
         break;
       }
       default: rhs = expr(static_cast<NodeId>(i), false);
@@ -311,10 +309,8 @@ std::string CPrinter::tensor_function(size_t phase) const {
     if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) {
-      size_t r = 0;
-      while (plan_.reductions[r] != static_cast<NodeId>(i)) ++r;
-      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = reductions[" << plan_.reduction_area_slot[r]
-        << "];\n";
+      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = reductions["
+        << plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))] << "];\n";
       continue;
     }
     for (int k = 0; k < op_arity(n.op); ++k) {

@@ -182,12 +182,6 @@ PhaseRoles phase_roles(const ElementPhase& ph) {
   return pr;
 }
 
-size_t reduction_slot(const Plan& plan, NodeId node) {
-  size_t s = 0;
-  while (plan.reductions[s] != node) ++s;
-  return s;
-}
-
 // One group's uniform values for phase i, hyperparameters resolved from their sources.
 std::string group_function(size_t i) {
   std::ostringstream s;
@@ -326,7 +320,7 @@ std::string element_kernel(const Plan& plan, size_t i) {
   for (size_t k = 0; k < nred; ++k) {
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
     s << "    {\n      const double total = of_block_sum(acc[" << k << "], scratch);\n"
-      << "      if (threadIdx.x == 0) partials[" << reduction_slot(plan, ph.reductions[k]) << "LL * num_chunks + c] = "
+      << "      if (threadIdx.x == 0) partials[" << plan.reduction_index(ph.reductions[k]) << "LL * num_chunks + c] = "
       << (any ? "total != 0.0 ? 1.0 : 0.0" : "total") << ";\n    }\n";
   }
   s << "    }\n    ch = next;\n  }\n  }\n";
@@ -339,7 +333,7 @@ std::string element_kernel(const Plan& plan, size_t i) {
     << "  if (!last_block) return;\n"
     << "  __threadfence();\n";
   for (size_t k = 0; k < nred; ++k) {
-    size_t r = reduction_slot(plan, ph.reductions[k]);
+    size_t r = plan.reduction_index(ph.reductions[k]);
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
     int slot = plan.reduction_area_slot[r];
     if (plan.scope_of(r) == Scope::Global)

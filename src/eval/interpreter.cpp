@@ -57,9 +57,7 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
         case Op::Global: val[i] = table[L.globals_offset() + n.index]; break;
         case Op::SumSquares:
         case Op::AnyNonFinite: {
-          size_t r = 0;
-          while (plan.reductions[r] != static_cast<NodeId>(i)) ++r;
-          val[i] = table[L.reductions_offset() + plan.reduction_area_slot[r]];
+          val[i] = table[L.reductions_offset() + plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
           break;
         }
         default: {
@@ -95,9 +93,7 @@ void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, 
     if (plan.kind[i] != ValueKind::Tensor || plan.level[i] > limit) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) {
-      size_t r = 0;
-      while (plan.reductions[r] != static_cast<NodeId>(i)) ++r;
-      val[i] = reductions_row[plan.reduction_area_slot[r]];
+      val[i] = reductions_row[plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
       continue;
     }
     double x = input(n.in[0]);
@@ -119,11 +115,7 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
   std::vector<T> val(g.size(), T(0));
   std::vector<double> tensor_val(plan.tensor_derived.empty() ? 0 : g.size(), 0.0);
   std::vector<size_t> red_slot;
-  for (NodeId r : phase.reductions) {
-    size_t s = 0;
-    while (plan.reductions[s] != r) ++s;
-    red_slot.push_back(s);
-  }
+  for (NodeId r : phase.reductions) red_slot.push_back(plan.reduction_index(r));
   for (size_t c = first; c < last; ++c) {
     const Chunk& ch = chunks[c];
     const TensorRef& t = tensors[static_cast<size_t>(ch.tensor)];

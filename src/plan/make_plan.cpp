@@ -267,6 +267,12 @@ Plan make_plan(Program program) {
 
 Plan make_plan(const Chain& chain) { return make_plan(build_program(chain)); }
 
+size_t Plan::reduction_index(NodeId node) const {
+  auto it = std::find(reductions.begin(), reductions.end(), node);
+  if (it == reductions.end()) throw Error("plan: node %" + std::to_string(node) + " is not a reduction");
+  return static_cast<size_t>(it - reductions.begin());
+}
+
 std::string Plan::describe(DType storage) const {
   std::ostringstream s;
   size_t bytes = dtype_size(storage);

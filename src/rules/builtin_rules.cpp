@@ -5,6 +5,7 @@
 #include "rules/builtin_rules.h"
 
 #include "optfuse/error.h"
+#include "rules/moments.h"
 
 namespace optfuse::rules {
 
@@ -18,8 +19,8 @@ Rule scale_by_adam(double b1, double b2, double eps, bool amsgrad) {
   return r.update([amsgrad](RuleBuilder& b) {
     Expr u = b.update(), t = b.step();
     Expr b1 = b.hyper("b1"), b2 = b.hyper("b2");
-    Expr m = b.name(lerp(b.state("exp_avg"), u, 1.0 - b1), "exp_avg_new");
-    Expr v = b.name(b.state("exp_avg_sq") * b2 + (1.0 - b2) * u * u, "exp_avg_sq_new");
+    Expr m = new_exp_avg(b, u, b1);
+    Expr v = new_exp_avg_sq(b, u, b2);
     b.set_state("exp_avg", m);
     b.set_state("exp_avg_sq", v);
     if (amsgrad) {
@@ -184,8 +185,8 @@ Rule scale_by_radam(double b1, double b2, double eps) {
   return r.update([](RuleBuilder& b) {
     Expr u = b.update(), t = b.step();
     Expr b1 = b.hyper("b1"), b2 = b.hyper("b2");
-    Expr m = b.name(lerp(b.state("exp_avg"), u, 1.0 - b1), "exp_avg_new");
-    Expr v = b.name(b.state("exp_avg_sq") * b2 + (1.0 - b2) * u * u, "exp_avg_sq_new");
+    Expr m = new_exp_avg(b, u, b1);
+    Expr v = new_exp_avg_sq(b, u, b2);
     b.set_state("exp_avg", m);
     b.set_state("exp_avg_sq", v);
     Expr bc1 = b.name(1.0 - pow(b1, t), "bias_correction1");
@@ -210,7 +211,7 @@ Rule scale_by_adamax(double b1, double b2, double eps) {
   return r.update([](RuleBuilder& b) {
     Expr u = b.update(), t = b.step();
     Expr b1 = b.hyper("b1");
-    Expr m = b.name(lerp(b.state("exp_avg"), u, 1.0 - b1), "exp_avg_new");
+    Expr m = new_exp_avg(b, u, b1);
     Expr e = b.name(max(b.state("exp_inf") * b.hyper("b2"), abs(u) + b.hyper("eps")), "exp_inf_new");
     b.set_state("exp_avg", m);
     b.set_state("exp_inf", e);

@@ -4,6 +4,8 @@
 // timm's 0-dim float32 tensors are (so results match timm to about one float32 rounding per step).
 #include "rules/layerwise_rules.h"
 
+#include "rules/moments.h"
+
 namespace optfuse::rules {
 
 static const Range kBeta = Range::unit_interval_open_right();
@@ -43,7 +45,7 @@ Rule scale_by_lamb(const LambOptions& o) {
     // exp_avg.lerp_(g, 1 - b1) with grad averaging, else exp_avg.mul_(b1).add_(g)
     Expr m = b.name(select(on(b, "grad_averaging"), lerp(b.state("exp_avg"), u, 1.0 - b1), b.state("exp_avg") * b1 + u),
                     "exp_avg_new");
-    Expr v = b.name(b.state("exp_avg_sq") * b2 + (1.0 - b2) * u * u, "exp_avg_sq_new");
+    Expr v = new_exp_avg_sq(b, u, b2);
     b.set_state("exp_avg", m);
     b.set_state("exp_avg_sq", v);
     Expr bc1 = b.name(select(on(b, "bias_correction"), 1.0 - pow(b1, t), b.constant(1.0)), "bias_correction1");

@@ -17,4 +17,14 @@ std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t c
   return chunks;
 }
 
+std::vector<ChunkRange> chunk_ranges(size_t num_tensors, const std::vector<Chunk>& chunks) {
+  std::vector<ChunkRange> out(num_tensors);
+  for (size_t c = chunks.size(); c-- > 0;) {  // backwards: first ends at the lowest index
+    ChunkRange& r = out[static_cast<size_t>(chunks[c].tensor)];
+    r.first = static_cast<uint32_t>(c);
+    ++r.count;
+  }
+  return out;
+}
+
 }  // namespace optfuse

@@ -20,4 +20,10 @@ static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it
 
 std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems);
 
+// Each tensor's chunks are contiguous in the list: where they start and how many there are.
+struct ChunkRange {
+  uint32_t first = 0, count = 0;
+};
+std::vector<ChunkRange> chunk_ranges(size_t num_tensors, const std::vector<Chunk>& chunks);
+
 }  // namespace optfuse

@@ -51,7 +51,7 @@ class CpuExecutor : public HostExecutor {
 
   void set_tensors(const std::vector<TensorRef>& tensors) override {
     HostExecutor::set_tensors(tensors);
-    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunks_);
+    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunk_ranges(tensors.size(), chunks_));
   }
 
  protected:
@@ -75,8 +75,7 @@ class CpuExecutor : public HostExecutor {
          L.tensor_reductions, phase_partials_.data(), n);
     });
     for (size_t k = 0; k < ph.reductions.size(); ++k) {
-      size_t slot = 0;
-      while (plan_.reductions[slot] != ph.reductions[k]) ++slot;
+      const size_t slot = plan_.reduction_index(ph.reductions[k]);
       std::copy(phase_partials_.begin() + static_cast<std::ptrdiff_t>(k * chunks_.size()),
                 phase_partials_.begin() + static_cast<std::ptrdiff_t>((k + 1) * chunks_.size()),
                 partials_[slot].begin());

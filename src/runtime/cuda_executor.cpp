@@ -215,9 +215,9 @@ class CudaExecutor : public Executor {
   void set_tensors(const std::vector<TensorRef>& tensors) override {
     refuse_while_capturing("changing the tensor set");
     check_alignment(tensors);
-    chunks_host_ = build_chunks(tensors, kChunkElems);
-    const std::vector<Chunk>& chunks = chunks_host_;
-    words_ = build_tensor_table(tensors, plan_.num_states(), chunks);
+    const std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
+    ranges_ = chunk_ranges(tensors.size(), chunks);
+    words_ = build_tensor_table(tensors, plan_.num_states(), ranges_);
     cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
     cuda::DeviceBuffer partials(plan_.reductions.size() * chunks.size() * sizeof(double));
     cuda::DeviceBuffer tensor_reductions(tensors.size() * static_cast<size_t>(plan_.layout.tensor_reductions) * sizeof(double));
@@ -227,7 +227,6 @@ class CudaExecutor : public Executor {
     if (tensor_reductions.size()) cuda::memset_zero(tensor_reductions.ptr(), tensor_reductions.size(), stream_);
     retire(std::move(tensor_reductions_));
     tensor_reductions_ = std::move(tensor_reductions);
-    num_tensors_ = static_cast<int>(tensors.size());
     retire(std::move(tensor_table_));
     retire(std::move(chunks_));
     retire(std::move(partials_));
@@ -244,8 +243,8 @@ class CudaExecutor : public Executor {
   // table changes here; the next step uploads it (ordered before its kernels).
   void update_pointers(const std::vector<TensorRef>& tensors) override {
     check_alignment(tensors);
-    if (static_cast<int>(tensors.size()) != num_tensors_) return set_tensors(tensors);  // the chunk list would not fit
-    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), chunks_host_);
+    if (tensors.size() != ranges_.size()) return set_tensors(tensors);  // another tensor set: new chunks
+    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), ranges_);
     words_ = std::move(words);
     words_dirty_ = true;
   }
@@ -267,7 +266,7 @@ class CudaExecutor : public Executor {
     }
     CUdeviceptr table = table_.ptr(), partials = partials_.ptr(), tensors = tensor_table_.ptr(), chunks = chunks_.ptr();
     CUdeviceptr sources = sources_.ptr(), tensor_reductions = tensor_reductions_.ptr();
-    int groups = groups_, num_tensors = num_tensors_;
+    int groups = groups_, num_tensors = static_cast<int>(ranges_.size());
     long long n = num_chunks_;
     const float* grad_scale = in.grad_scale;
     const float* found_inf = in.found_inf;
@@ -340,8 +339,7 @@ class CudaExecutor : public Executor {
   size_t shared_bytes_ = 0;                // dynamic shared memory per block (the groups' uniforms)
   int groups_ = 0;
   cuda::DeviceBuffer table_, sources_, tensor_table_, chunks_, partials_, tensor_reductions_, counters_;
-  std::vector<Chunk> chunks_host_;         // host copy of the chunk list (tensor-table chunk ranges)
-  int num_tensors_ = 0;
+  std::vector<ChunkRange> ranges_;         // per tensor, its chunks (tensor-table words, per set_tensors)
   std::vector<uint64_t> words_;            // host copy of the tensor table
   bool words_dirty_ = false;               // words_ differ from the device copy
   long long num_chunks_ = 0;

@@ -15,7 +15,9 @@ namespace optfuse {
 
 constexpr size_t kTensorTableExtraWords = 3;  // words after the role pointers
 
+// `ranges` (chunk_ranges) is computed once per tensor set: rebuilding the table for new gradient
+// pointers (every step of a zero_grad loop) stays linear in the tensors, not the chunks.
 std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
-                                         const std::vector<Chunk>& chunks);
+                                         const std::vector<ChunkRange>& ranges);
 
 }  // namespace optfuse

@@ -366,7 +366,11 @@ def test_tensor_hyperparameters_changed_in_place(case, device, hyper_device):
                                      ("SGD", dict(lr=0.05, momentum=0.9)),
                                      ("RMSprop", dict(lr=1e-2))], ids=["AdamW", "SGD", "RMSprop"])
 def test_scheduler_fills_a_tensor_lr(name, kw, sched, device, hyper_device):
-    device = torch.device(device)
+    check_scheduler_fills_a_tensor_lr(name, kw, sched, torch.device(device), hyper_device)
+
+
+def check_scheduler_fills_a_tensor_lr(name, kw, sched, device, hyper_device):
+    """lr given as a tensor (on hyper_device): the scheduler fill_()s it, ours and torch train alike."""
     runs = []
     for cls in (getattr(oft, name), lambda params, **k: torch_cls(name)(params, foreach=False, **k)):
         model = make_model(device)
@@ -658,10 +662,8 @@ def _graph_step(model, opt, x, y, scaler=None):
     return loss
 
 
-def _train_in_graph(model, opt, data, sched=None, scaler=None):
-    """torch.cuda.graphs' "whole network capture": warm up on a side stream, capture forward, backward
-    and step on static inputs, then replay with new data copied into them."""
-    static_x, static_y = (t.clone() for t in data[0])
+def _warm_up_on_side_stream(model, opt, data, static_x, static_y, scaler=None):
+    """torch's recipe before a capture: WARMUP eager steps on a side stream, then back to the current one."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -671,6 +673,13 @@ def _train_in_graph(model, opt, data, sched=None, scaler=None):
             opt.zero_grad(set_to_none=True)
             _graph_step(model, opt, static_x, static_y, scaler)
     torch.cuda.current_stream().wait_stream(side)
+
+
+def _train_in_graph(model, opt, data, sched=None, scaler=None):
+    """torch.cuda.graphs' "whole network capture": warm up on a side stream, capture forward, backward
+    and step on static inputs, then replay with new data copied into them."""
+    static_x, static_y = (t.clone() for t in data[0])
+    _warm_up_on_side_stream(model, opt, data, static_x, static_y, scaler)
     after_warmup = twin(model)
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
@@ -766,15 +775,7 @@ def test_capture_with_float_hyperparameters_raises(tensors, expect_names):
     ref = torch.optim.AdamW(ref_model.parameters(), foreach=False, capturable=bool(tensors),
                             **tensorize(kw, tensors, CUDA))
     static_x, static_y = (t.clone() for t in data[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for s in range(WARMUP):
-            static_x.copy_(data[s][0])
-            static_y.copy_(data[s][1])
-            ours.zero_grad(set_to_none=True)
-            _graph_step(model, ours, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
+    _warm_up_on_side_stream(model, ours, data, static_x, static_y)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(oft.OptfuseError) as err:

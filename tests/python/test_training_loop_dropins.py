@@ -8,13 +8,12 @@ The helpers and tolerances are test_training_loop.py's (assert_same_training: pa
 state within 1e-4 of torch's relative to each tensor's largest element; steps exact).
 """
 import pytest
-import torch
 
 import optfuse.torch as oft
 from optfuse.torch._optimizers import _solve_eta_lr
 from conftest import make_model, twin
-from test_training_loop import (STEPS, _drop_some_grads, assert_same_training, loop, loss_with_holes,
-                                make_holey_model, make_scheduler, torch_cls, torch_run)
+from test_training_loop import (STEPS, _drop_some_grads, assert_same_training, check_scheduler_fills_a_tensor_lr,
+                                loop, loss_with_holes, make_holey_model, make_scheduler, torch_cls, torch_run)
 
 CASES = [
     ("RAdam", dict(lr=1e-2, weight_decay=0.1)),
@@ -52,20 +51,7 @@ def test_training_loop_with_lr_scheduler(case, sched, device):
 def test_scheduler_fills_a_tensor_lr(case, sched, device):
     """lr given as a tensor on the parameters' device: the scheduler fill_()s it, the kernel reads it."""
     name, kw = case
-    runs = []
-    for cls in (getattr(oft, name), lambda params, **k: torch_cls(name)(params, foreach=False, **k)):
-        model = make_model(device)
-        start = twin(model)
-        lr = torch.tensor(kw["lr"], device=device)
-        opt = cls(model.parameters(), **dict(kw, lr=lr))
-        scheduler = make_scheduler(sched, opt)
-        loop(model, opt, device, scheduler=scheduler)
-        assert opt.param_groups[0]["lr"] is lr
-        assert lr.item() < 0.5 * kw["lr"], "the schedule did not change lr: the test would be vacuous"
-        runs.append((model, opt))
-    (model, ours), (ref_model, ref) = runs
-    assert ours.param_groups[0]["lr"].item() == ref.param_groups[0]["lr"].item()
-    assert_same_training(model, ref_model, ours, ref, device, start)
+    check_scheduler_fills_a_tensor_lr(name, kw, sched, device, device)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])

@@ -7,6 +7,7 @@ import torch
 
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError, _plain, _scalar_dtype
+from ._optimizers import MomentumFromFirstGradient
 
 
 def _check_scalar(name, value):
@@ -101,7 +102,7 @@ class Lamb(FusedOptimizer):
         return super().state_dict()
 
 
-class Lars(FusedOptimizer):
+class Lars(MomentumFromFirstGradient, FusedOptimizer):
     """Fused drop-in for timm.optim.Lars (LARS, and LARC with trust_clip=True)."""
 
     _step_in_state = False  # timm's Lars state is only momentum_buffer
@@ -135,13 +136,3 @@ class Lars(FusedOptimizer):
         return {"lr": g["lr"], "momentum": g["momentum"], "dampening": g["dampening"],
                 "weight_decay": g["weight_decay"], "trust_coeff": g["trust_coeff"], "eps": g["eps"],
                 "trust_clip": _flag(g["trust_clip"]), "always_adapt": _flag(g["always_adapt"])}
-
-    def _initial_step(self, state):
-        return 1 if "momentum_buffer" in state else 0
-
-    def _adjust_step(self, state, step, engine):
-        # timm starts a momentum buffer from the gradient when it has none; the trace rule does that
-        # on step 1, so a parameter without a buffer restarts its count.
-        if "momentum_buffer" in engine.state_names and "momentum_buffer" not in state:
-            return 0
-        return step

@@ -32,7 +32,29 @@ def _wd_arg(features, groups):
     return next(float(g["weight_decay"]) for g in groups if float(g["weight_decay"]) != 0)
 
 
-class SGD(FusedOptimizer):
+class _OptionalWeightDecay(FusedOptimizer):
+    """Optimizers whose weight decay is a rule of its own, left out of the chain when every group of
+    the chain has weight_decay 0 (the rule costs nothing then, not even a read of the parameter)."""
+
+    def _features(self, g):
+        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+
+
+class MomentumFromFirstGradient:
+    """Step counting of optimizers whose state is only a momentum_buffer that starts as the first
+    gradient (torch's SGD, timm's Lars): no 'step' in the state, so a parameter with a buffer has
+    stepped, and one without restarts its count (the trace rule starts the buffer on step 1)."""
+
+    def _initial_step(self, state):
+        return 1 if "momentum_buffer" in state else 0
+
+    def _adjust_step(self, state, step, engine):
+        if "momentum_buffer" in engine.state_names and "momentum_buffer" not in state:
+            return 0
+        return step
+
+
+class SGD(MomentumFromFirstGradient, _OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.SGD (same arguments and defaults)."
     _step_in_state = False  # torch's SGD state is only momentum_buffer
     _sig_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
@@ -47,9 +69,6 @@ class SGD(FusedOptimizer):
     def _structure(self, g):
         return (bool(g["maximize"]), float(g["momentum"]) != 0, bool(g["nesterov"]))
 
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
-
     def _make_chain(self, key, features, groups):
         maximize, has_momentum, nesterov = key
         g = groups[0]
@@ -61,18 +80,8 @@ class SGD(FusedOptimizer):
         return {"lr": g["lr"], "momentum": g["momentum"], "dampening": g["dampening"],
                 "weight_decay": g["weight_decay"]}
 
-    def _initial_step(self, state):
-        return 1 if "momentum_buffer" in state else 0
 
-    def _adjust_step(self, state, step, engine):
-        # torch starts a momentum buffer from the gradient the first time it has none; the trace
-        # rule does that on step 1, so a parameter without a buffer restarts its count.
-        if "momentum_buffer" in engine.state_names and "momentum_buffer" not in state:
-            return 0
-        return step
-
-
-class Adam(FusedOptimizer):
+class Adam(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.Adam (same arguments and defaults)."
     _sig_keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay")
     _torch_cls = torch.optim.Adam
@@ -96,9 +105,6 @@ class Adam(FusedOptimizer):
 
     def _structure(self, g):
         return (bool(g["amsgrad"]), bool(g["maximize"]), bool(g.get("decoupled_weight_decay", False)))
-
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
 
     def _make_chain(self, key, features, groups):
         amsgrad, maximize, decoupled = key
@@ -129,7 +135,7 @@ class AdamW(Adam):
         return (bool(g["amsgrad"]), bool(g["maximize"]), bool(g.get("decoupled_weight_decay", True)))
 
 
-class Adagrad(FusedOptimizer):
+class Adagrad(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.Adagrad (same arguments and defaults)."
     _sig_keys = ("lr", "lr_decay", "eps", "weight_decay", "maximize")
 
@@ -152,9 +158,6 @@ class Adagrad(FusedOptimizer):
     def _structure(self, g):
         return (bool(g["maximize"]), float(g["initial_accumulator_value"]))
 
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
-
     def _make_chain(self, key, features, groups):
         maximize, init = key
         g = groups[0]
@@ -167,7 +170,7 @@ class Adagrad(FusedOptimizer):
                 "weight_decay": g["weight_decay"]}
 
 
-class RMSprop(FusedOptimizer):
+class RMSprop(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.RMSprop (same arguments and defaults)."
     _sig_keys = ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize")
 
@@ -180,9 +183,6 @@ class RMSprop(FusedOptimizer):
 
     def _structure(self, g):
         return (bool(g["centered"]), bool(g["maximize"]), float(g["momentum"]) != 0)
-
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
 
     def _make_chain(self, key, features, groups):
         centered, maximize, has_momentum = key
@@ -197,7 +197,7 @@ class RMSprop(FusedOptimizer):
                 "weight_decay": g["weight_decay"], "momentum": g["momentum"]}
 
 
-class Lion(FusedOptimizer):
+class Lion(_OptionalWeightDecay):
     """Lion (Chen et al. 2023) as lion-pytorch: lr=1e-4, betas=(0.9, 0.99), weight_decay=0
     (decoupled: p *= 1 - lr*wd). State per parameter: exp_avg (no step, as lion-pytorch)."""
 
@@ -211,9 +211,6 @@ class Lion(FusedOptimizer):
             raise ValueError(f"Invalid betas: {betas}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
 
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
-
     def _make_chain(self, key, features, groups):
         g = groups[0]
         b1, b2 = (float(b) for b in g["betas"])
@@ -224,7 +221,7 @@ class Lion(FusedOptimizer):
         return {"lr": g["lr"], "b1": b1, "b2": b2, "weight_decay": g["weight_decay"]}
 
 
-class RAdam(FusedOptimizer):
+class RAdam(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.RAdam (same arguments and defaults)."
     _sig_keys = ("lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay")
 
@@ -243,9 +240,6 @@ class RAdam(FusedOptimizer):
     def _structure(self, g):
         return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
 
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
-
     def _make_chain(self, key, features, groups):
         maximize, decoupled = key
         g = groups[0]
@@ -259,7 +253,7 @@ class RAdam(FusedOptimizer):
         return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
 
 
-class Adamax(FusedOptimizer):
+class Adamax(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.Adamax (same arguments and defaults)."
     _sig_keys = ("lr", "betas", "eps", "weight_decay", "maximize")
 
@@ -273,9 +267,6 @@ class Adamax(FusedOptimizer):
     def _structure(self, g):
         return (bool(g["maximize"]),)
 
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
-
     def _make_chain(self, key, features, groups):
         (maximize,) = key
         g = groups[0]
@@ -288,7 +279,7 @@ class Adamax(FusedOptimizer):
         return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
 
 
-class Adadelta(FusedOptimizer):
+class Adadelta(_OptionalWeightDecay):
     __doc__ = "Fused drop-in for torch.optim.Adadelta (same arguments and defaults)."
     _sig_keys = ("lr", "rho", "eps", "weight_decay", "maximize")
 
@@ -301,9 +292,6 @@ class Adadelta(FusedOptimizer):
 
     def _structure(self, g):
         return (bool(g["maximize"]),)
-
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
 
     def _make_chain(self, key, features, groups):
         (maximize,) = key
@@ -381,7 +369,7 @@ def _solve_eta_lr(eta, lambd, alpha, t):
     return None
 
 
-class ASGD(FusedOptimizer):
+class ASGD(_OptionalWeightDecay):
     """Fused drop-in for torch.optim.ASGD (same arguments and defaults, state step, eta, mu, ax).
 
     torch keeps eta and mu as per-parameter scalars that it recomputes at the end of every step
@@ -403,9 +391,6 @@ class ASGD(FusedOptimizer):
 
     def _structure(self, g):
         return (bool(g["maximize"]),)
-
-    def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
 
     def _make_chain(self, key, features, groups):
         (maximize,) = key
