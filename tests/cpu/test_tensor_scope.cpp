@@ -11,6 +11,8 @@
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
 #include "optfuse/plan.h"
+#include "runtime/chunks.h"
+#include "runtime/tensor_table.h"
 
 namespace optfuse {
 namespace {
@@ -89,6 +91,29 @@ TEST_P(TensorScope, LambTrustRatioIsPerTensor) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, TensorScope, ::testing::Values(Backend::reference, Backend::cpu),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
+
+TEST(TensorTable, ChunkRangesGiveEachTensorItsChunks) {
+  // What the CUDA last block walks per tensor: sizes 5, 0 (no chunks), 9 and 4 with 4-element chunks.
+  std::vector<float> data(9);
+  std::vector<TensorRef> ts(4);
+  int64_t sizes[] = {5, 0, 9, 4};
+  for (size_t i = 0; i < 4; ++i) ts[i].param = ts[i].grad = {data.data(), sizes[i], DType::f32};
+  std::vector<Chunk> chunks = build_chunks(ts, 4);
+  ASSERT_EQ(chunks.size(), 6u);  // 2 + 0 + 3 + 1
+  std::vector<ChunkRange> r = chunk_ranges(ts.size(), chunks);
+  EXPECT_EQ(r[0].first, 0u);
+  EXPECT_EQ(r[0].count, 2u);
+  EXPECT_EQ(r[1].count, 0u);
+  EXPECT_EQ(r[2].first, 2u);
+  EXPECT_EQ(r[2].count, 3u);
+  EXPECT_EQ(r[3].first, 5u);
+  EXPECT_EQ(r[3].count, 1u);
+  std::vector<uint64_t> words = build_tensor_table(ts, 0, r);
+  const size_t row = 2 + kTensorTableExtraWords;  // param, grad pointers; numel; group|dtype; chunk range
+  ASSERT_EQ(words.size(), 4 * row);
+  EXPECT_EQ(words[2 * row + 4], uint64_t{2} | (uint64_t{3} << 32));
+  EXPECT_EQ(words[3 * row + 4], uint64_t{5} | (uint64_t{1} << 32));
+}
 
 TEST(TensorScopePlan, GlobalAndTensorSumsShareOnePass) {
   Plan plan = make_plan(scaled_by_tensor_norm());
