@@ -783,6 +783,11 @@ NB_MODULE(_core, m) {
       .def_prop_ro("chain_text", [](const Plan& p) { return p.program.chain_text; })
       .def_prop_ro("pass_log", [](const Plan& p) { return p.pass_log; })
       .def_prop_ro("num_phases", [](const Plan& p) { return p.phases.size(); })
+      .def_prop_ro("reduction_scopes", [](const Plan& p) {
+        std::vector<std::string> out;
+        for (size_t r = 0; r < p.reductions.size(); ++r) out.push_back(scope_name(p.scope_of(r)));
+        return out;
+      }, "The scope of each reduction (\"global\" or \"tensor\"): sums that span tensors or whole tensors.")
       .def_prop_ro("state_names", [](const Plan& p) {
         std::vector<std::string> out;
         for (auto& s : p.program.states) out.push_back(s.qualified);
