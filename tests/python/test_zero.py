@@ -4,7 +4,7 @@ scheduler. On 1, 2 and 3 processes (shards that cut tensors in the middle), for 
 optfuse.torch class: parameters and the consolidated state bitwise equal to an unsharded optimizer
 of the same class stepped on the same averaged gradients, 10 steps; each rank holds about 1/N of
 the state; a consolidated state dict loads into a ZeRO again and training continues bitwise equal;
-chains with reductions are refused. Processes start with torch.multiprocessing, rendezvous through
+a torch.optim optimizer (fused) under torch.amp.GradScaler matches too; chains with reductions are refused. Processes start with torch.multiprocessing, rendezvous through
 a file (no network), and are bounded by timeouts."""
 import copy
 import json
@@ -111,6 +111,29 @@ def worker(rank, world, init_file, out_dir):
             state_equal=same_state(zero.state_dict()["state"], ref_sd["state"]),
             lr=float(zero.param_groups[0]["lr"]), ref_lr=float(ref.param_groups[0]["lr"]),
             local_state=zero.local_state_numel(), full_state=ref_state_numel)
+    # A torch.optim optimizer (fused by ZeRO) under torch.amp.GradScaler, against optfuse unsharded.
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    zero = ZeRO(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
+    ref = oft.AdamW(ref_model.parameters(), lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2)]
+    import torch.nn.functional as F
+    for s in range(STEPS):
+        x, y = data(rank, s)
+        zero.zero_grad()
+        scalers[0].scale(F.mse_loss(ddp(x), y)).backward()
+        scalers[0].step(zero)
+        scalers[0].update()
+        ref.zero_grad(set_to_none=True)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            q.grad = p.grad.clone()  # the scaled, averaged gradients
+        scalers[1].scale(torch.zeros(()))  # its scale, as the same loss scaling would give (same init, same history)
+        scalers[1].step(ref)
+        scalers[1].update()
+    out["torch_adamw_gradscaler"] = dict(
+        params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
+        moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())))
     # Reductions cannot be sharded yet: refused with a clear error, before any step.
     refusals = []
     for make in (lambda ps: oft.Lamb(ps), lambda ps: oft.Fused("chain(clip_by_global_norm(1.0), adamw())", ps)):
@@ -150,6 +173,7 @@ def test_zero1_with_ddp_is_bitwise_the_unsharded_optimizer(world, tmp_path):
             assert r["lr"] == r["ref_lr"] < CASES[[n for n, _ in CASES].index(name)][1]["lr"]  # the scheduler ran
             # 1/N of the state, plus what rounding the shard size up to 64 elements can add
             assert r["local_state"] <= r["full_state"] / world + 64 * (r["full_state"] // 18340 + 1), (name, r)
+        assert res["torch_adamw_gradscaler"] == dict(params_equal=True, moved=True), res["torch_adamw_gradscaler"]
         assert res["refusals"][0].startswith("ZeRO: Lamb"), res["refusals"]
         assert "clip_by_global_norm" in res["refusals"][1], res["refusals"]
     if world > 1:  # the shards together hold all of the state
