@@ -694,6 +694,8 @@ NB_MODULE(_core, m) {
   m.def("round_to_f16", unary("round_to_f16", [](Expr x) { return round_to_f16(x); }), "x"_a);
   m.def("global_sum_of_squares", unary("global_sum_of_squares", [](Expr x) { return global_sum_of_squares(x); }), "x"_a,
         "Sum over every element of every tensor of x*x (float64, deterministic order): a global reduction.");
+  m.def("tensor_sum_of_squares", unary("tensor_sum_of_squares", [](Expr x) { return tensor_sum_of_squares(x); }),
+        "x"_a, "Sum of x*x over each tensor's own elements (one value per tensor; LAMB's norms).");
   m.def("any_nonfinite", unary("any_nonfinite", [](Expr x) { return any_nonfinite(x); }), "x"_a,
         "1 if any element of x over all tensors is inf or NaN, else 0: a global reduction.");
   m.def("pow", binary("pow", [](Expr x, Expr y) { return pow(x, y); }), "x"_a, "y"_a);
@@ -730,6 +732,12 @@ NB_MODULE(_core, m) {
         RuleBuilder& rb = b.get();
         rb.skip_step_if(lift(cond, b.out(rb.param()), "skip_step_if").e);
       }, "cond"_a, "The whole step changes nothing when cond != 0 (cond must be uniform).")
+      .def("param_base", [](const PyBuilder& b) { return b.out(b.get().param_base()); },
+           "The value the final update is added to (param() unless a rule decayed it).")
+      .def("set_param_base", [](const PyBuilder& b, nb::handle v) {
+        RuleBuilder& rb = b.get();
+        rb.set_param_base(lift(v, b.out(rb.param()), "set_param_base").e);
+      }, "value"_a, "Replaces the value the final update is added to (decoupled decay, or a whole new parameter).")
       .def("name", [](const PyBuilder& b, const PyExpr& e, const std::string& n) {
         return b.out(b.get().name(checked(e).e, n));
       }, "expr"_a, "name"_a, "Names a value in generated code; returns it.");

@@ -47,3 +47,5 @@ if ! python3 -c "import timm.optim" 2>/dev/null; then
   echo "setup: installing Python packages: timm"
   python3 -m pip install -q timm
 fi
+# lion-pytorch: a third-party optimizer fuse() traces in the tests (no dependencies beyond torch).
+python3 -c "import lion_pytorch" 2>/dev/null || { echo "setup: installing Python packages: lion-pytorch"; python3 -m pip install -q lion-pytorch; }

@@ -32,6 +32,7 @@ from ._core import (  # noqa: F401
     explain,
     fma,
     global_sum_of_squares,
+    tensor_sum_of_squares,
     is_finite,
     lerp,
     log,

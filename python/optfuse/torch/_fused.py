@@ -3,7 +3,7 @@ optfuse.torch.fuse: a running torch.optim optimizer turned into its fused equiva
 import torch
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError
+from ._base import FusedOptimizer, OptfuseError, _with_unscale
 from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, RAdam, RMSprop, Rprop
 
 
@@ -77,11 +77,6 @@ def fuse(opt):
     Rprop or ASGD, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only)."""
-    cls = _FUSABLE.get(type(opt))
-    if cls is None:
-        name = f"{type(opt).__module__}.{type(opt).__qualname__}"
-        raise OptfuseError(f"optfuse.torch.fuse: {name} is not supported (supported: torch.optim."
-                           + ", torch.optim.".join(c.__name__ for c in _FUSABLE) + ")")
     for i, g in enumerate(opt.param_groups):
         if g.get("differentiable"):
             raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True, which optfuse does not support")
@@ -92,8 +87,29 @@ def fuse(opt):
             if p.grad is not None and p.grad.is_sparse:
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a sparse gradient {tuple(p.shape)}, "
                                    "which optfuse does not support")
+    cls = _FUSABLE.get(type(opt))
+    if cls is None:  # no hand-written drop-in: trace its step (refused with the reason if it cannot be)
+        from ._traced import fuse_by_tracing
+        return fuse_by_tracing(opt)
     new = cls.__new__(cls)
     FusedOptimizer.__init__(new, opt.param_groups, dict(opt.defaults))
     for p, st in opt.state.items():
         new.state[p] = dict(st)
     return new
+
+
+def explain(opt, backend="cpu", source=False):
+    """What optfuse runs for a fused optimizer (any optfuse.torch optimizer, a traced one included):
+    `optfuse explain`'s text (rules, passes, IR, plan, optionally the generated source) once per
+    distinct chain its param groups use."""
+    if not isinstance(opt, FusedOptimizer):
+        raise OptfuseError(f"optfuse.torch.explain: {type(opt).__name__} is not an optfuse optimizer; fuse() it first")
+    seen, texts = set(), []
+    for g in opt.param_groups:
+        chain = _with_unscale(opt._make_chain(opt._structure(g), opt._features(g), [g]))
+        text = _core.chain_text(chain)
+        if text not in seen:
+            seen.add(text)
+            texts.append(_core.explain(chain, backend, source))
+    return "\n".join(texts)
+

@@ -1,0 +1,485 @@
+"""Tracing a torch optimizer's per-parameter update into an optfuse rule (used by fuse() for classes
+without a hand-written drop-in).
+
+How: the optimizer's own step() runs on a probe (one small parameter, a copy of each param group)
+under a TorchFunctionMode recorder. Every tensor the step touches is mapped to an optfuse expression
+(the parameter, its gradient, its state slots, constants); every torch op maps its inputs'
+expressions to the op's expression (in-place ops rebind their target). Hyperparameters become
+`SymFloat`s: Python floats that carry an expression, so the scalar arithmetic optimizers do in Python
+(1 - beta1 ** step) stays symbolic. The step count is an input too (state["step"] tensor or number).
+
+Two traces per rule: the first step (the optimizer creates its state) and a later step (state read
+from the slots); the rule takes the first where step == 1. A Python branch on a symbolic scalar
+(if step < warmup, if weight_decay != 0) is traced both ways and becomes a select. What the IR cannot
+express (Python control flow on element data, .item() of element data, ops the recorder does not
+know, indexing, scalar states other than the step) raises TraceError naming the construct.
+fuse() then checks the traced optimizer against the original on probe parameters before using it.
+"""
+import math
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import _core
+
+
+class TraceError(_core.OptfuseError):
+    pass
+
+
+def _where():
+    """file:line of the optimizer code being traced (the innermost frame outside this module and torch)."""
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        if "optfuse" not in fr.filename and "/torch/" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return "?"
+
+
+class _Paths:
+    """Outcomes of symbolic Python conditions: forced ones first, then the real value (recorded)."""
+
+    def __init__(self, forced):
+        self.forced, self.seen = list(forced), []
+
+    def decide(self, cond_expr, real):
+        i = len(self.seen)
+        outcome = self.forced[i] if i < len(self.forced) else bool(real)
+        self.seen.append((cond_expr, outcome))
+        return outcome
+
+
+class SymFloat(float):
+    """A Python float that also carries an optfuse expression (a hyperparameter, the step, or math
+    on them). Arithmetic keeps it symbolic; a comparison used as a Python condition is traced both ways."""
+
+    def __new__(cls, value, expr, paths):
+        obj = super().__new__(cls, value)
+        obj.expr, obj.paths = expr, paths
+        return obj
+
+    def _lift(self, other):
+        if isinstance(other, SymFloat):
+            return other.expr
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return float(other)
+        return None
+
+    def _bin(self, other, fn, exprfn, reverse=False):
+        o = self._lift(other)
+        if o is None:
+            return NotImplemented
+        a, b = (float(other), float(self)) if reverse else (float(self), float(other))
+        ea, eb = (o, self.expr) if reverse else (self.expr, o)
+        return SymFloat(fn(a, b), exprfn(ea, eb), self.paths)
+
+    def __add__(self, o): return self._bin(o, lambda a, b: a + b, lambda a, b: a + b)
+    def __radd__(self, o): return self._bin(o, lambda a, b: a + b, lambda a, b: a + b, True)
+    def __sub__(self, o): return self._bin(o, lambda a, b: a - b, lambda a, b: a - b)
+    def __rsub__(self, o): return self._bin(o, lambda a, b: a - b, lambda a, b: a - b, True)
+    def __mul__(self, o): return self._bin(o, lambda a, b: a * b, lambda a, b: a * b)
+    def __rmul__(self, o): return self._bin(o, lambda a, b: a * b, lambda a, b: a * b, True)
+    def __truediv__(self, o): return self._bin(o, _safe_div, lambda a, b: a / b)
+    def __rtruediv__(self, o): return self._bin(o, _safe_div, lambda a, b: a / b, True)
+    def __pow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b))
+    def __rpow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b), True)
+    def __neg__(self): return SymFloat(-float(self), -self.expr, self.paths)
+    def __pos__(self): return self
+    def __abs__(self): return SymFloat(abs(float(self)), _core.abs(self.expr), self.paths)
+
+    def _cmp(self, o, fn, exprfn):
+        e = self._lift(o)
+        if e is None:
+            return NotImplemented
+        return self.paths.decide(exprfn(self.expr, e), fn(float(self), float(o)))
+
+    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b, lambda a, b: a < b)
+    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b, lambda a, b: a <= b)
+    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b, lambda a, b: a > b)
+    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b, lambda a, b: a >= b)
+    def __eq__(self, o): return self._cmp(o, lambda a, b: a == b, lambda a, b: a == b)
+    def __ne__(self, o): return self._cmp(o, lambda a, b: a != b, lambda a, b: a != b)
+    def __bool__(self): return self.paths.decide(self.expr != 0.0, float(self) != 0.0)
+    __hash__ = float.__hash__
+
+    def __int__(self):
+        raise TraceError(f"int() of a hyperparameter- or step-dependent value at {_where()}: not traceable")
+
+
+def _safe_div(a, b):
+    try:
+        return a / b
+    except ZeroDivisionError:
+        return math.copysign(math.inf, a) if a != 0 else math.nan
+
+
+def _safe_pow(a, b):
+    try:
+        return a ** b
+    except (OverflowError, ZeroDivisionError):
+        return math.inf
+
+
+def _symbolic_math(fn, exprfn):
+    """math.sqrt and friends read a float subclass's value directly and return a plain float: during a
+    trace they are replaced by versions that keep a SymFloat symbolic (and give NaN, not an error, for
+    values outside their domain, which paths explored for the other side of a branch may produce)."""
+    def wrapped(x, *rest):
+        if isinstance(x, SymFloat) or any(isinstance(r, SymFloat) for r in rest):
+            xs = (x,) + rest
+            try:
+                value = fn(*(float(v) for v in xs))
+            except (ValueError, OverflowError, ZeroDivisionError):
+                value = math.nan
+            lifted = [v.expr if isinstance(v, SymFloat) else float(v) for v in xs]
+            paths = next(v.paths for v in xs if isinstance(v, SymFloat))
+            return SymFloat(value, exprfn(*lifted), paths)
+        return fn(x, *rest)
+    return wrapped
+
+
+_MATH = {"sqrt": _core.sqrt, "exp": _core.exp, "log": _core.log, "pow": _core.pow}
+
+
+# Ops whose result is a Python value that may carry an expression.
+_SCALAR_OUT = ("item", "__bool__", "__float__")
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, b, paths):
+        super().__init__()
+        self.b, self.paths = b, paths
+        # Tensors are known by their memory, not their Python object, so aliases (p.data, views of the
+        # same elements) share one expression and an in-place op through one is seen through all.
+        self.expr = {}      # (data_ptr, numel) -> (expr, kind) kind: "element" | "uniform"
+        self.keep = []      # recorded tensors stay alive: their memory is not reused by others
+
+    @staticmethod
+    def key(t):
+        return (t.data_ptr(), t.numel())
+
+    def bind(self, t, expr, kind):
+        self.expr[self.key(t)] = (expr, kind)
+        self.keep.append(t)
+
+    def of(self, x, where):
+        """(expr, kind) of an argument: a recorded tensor, a SymFloat, a number; else TraceError."""
+        if isinstance(x, SymFloat):
+            return x.expr, "uniform"
+        if isinstance(x, bool):
+            return self.b.constant(1.0 if x else 0.0), "uniform"
+        if isinstance(x, (int, float)):
+            return self.b.constant(float(x)), "uniform"
+        if torch.is_tensor(x):
+            hit = self.expr.get(self.key(x))
+            if hit is not None:
+                return hit
+            if x.numel() == 1 and x.dim() == 0:  # a tensor the step made from a Python number
+                return self.b.constant(float(x)), "uniform"
+            raise TraceError(f"a tensor of shape {tuple(x.shape)} that is not the parameter, its gradient or "
+                             f"its state is used at {where}")
+        raise TraceError(f"an argument of type {type(x).__name__} at {where} is not traceable")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in ("__getitem__", "__setitem__", "index_put_", "masked_fill_", "scatter_", "index_copy_"):
+            raise TraceError(f"indexing ('{name}') at {_where()} is not traceable: the update must be element-wise")
+        out = func(*args, **kwargs)
+        if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
+            return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
+        return self.record(name, args, kwargs, out, _where())
+
+    def record(self, name, args, kw, out, where):
+        b = self.b
+        base = name[2:-2] if name.startswith("__") and name.endswith("__") else name
+        inplace = base.endswith("_") and base != "_" or base.startswith("i") and name.startswith("__i")
+        if name.startswith("__i"):
+            base = base[1:]
+        elif name.startswith("__r") and base[1:] in ("add", "sub", "mul", "truediv", "div", "pow"):
+            args = (args[1], args[0]) + tuple(args[2:])
+            base = base[1:]
+        if base.endswith("_") and base not in ("copy_",):
+            base = base[:-1]
+        E = lambda i: self.of(args[i], where)  # noqa: E731
+
+        def kind(*ks):
+            return "element" if "element" in ks else "uniform"
+
+        if base in ("item",):
+            e, k = E(0)
+            if k == "element":
+                raise TraceError(f".item() of per-element data at {where}: data-dependent, not traceable")
+            return SymFloat(float(out), e, self.paths)
+        if base in ("bool",):
+            e, k = E(0)
+            if k == "element":
+                raise TraceError(f"Python control flow on per-element data (bool of a tensor) at {where}")
+            return self.paths.decide(e != 0.0, bool(out))
+        if base in ("float",) and name == "__float__":
+            e, k = E(0)
+            if k == "element":
+                raise TraceError(f"float() of per-element data at {where}")
+            return SymFloat(float(out), e, self.paths)
+        unary = {"sqrt": _core.sqrt, "rsqrt": _core.rsqrt, "exp": _core.exp, "log": _core.log, "abs": _core.abs,
+                 "sign": _core.sign, "sgn": _core.sign, "neg": lambda x: -x, "negative": lambda x: -x,
+                 "reciprocal": lambda x: 1.0 / x, "square": lambda x: x * x,
+                 # same elements, another shape or copy: element-wise math does not see the difference
+                 "clone": lambda x: x, "detach": lambda x: x, "contiguous": lambda x: x, "view_as": lambda x: x,
+                 "reshape_as": lambda x: x, "view": lambda x: x, "reshape": lambda x: x, "flatten": lambda x: x,
+                 "conj": lambda x: x, "conj_physical": lambda x: x, "resolve_conj": lambda x: x}  # real tensors
+        binary = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "subtract": lambda x, y: x - y,
+                  "mul": lambda x, y: x * y, "multiply": lambda x, y: x * y, "div": lambda x, y: x / y,
+                  "truediv": lambda x, y: x / y, "divide": lambda x, y: x / y, "pow": _core.pow,
+                  "maximum": _core.max, "minimum": _core.min, "max": _core.max, "min": _core.min,
+                  "gt": lambda x, y: x > y, "lt": lambda x, y: x < y, "ge": lambda x, y: x >= y,
+                  "le": lambda x, y: x <= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
+                  "greater": lambda x, y: x > y, "less": lambda x, y: x < y}
+        if base in unary and len(args) >= 1:
+            e, k = E(0)
+            res, rk = unary[base](e), k
+        elif base in binary and len(args) >= 2:
+            if base in ("div", "truediv", "divide") and kw.get("rounding_mode") is not None:
+                raise TraceError(f"division with rounding_mode at {where} is not traceable")
+            if base in ("max", "min") and not (torch.is_tensor(args[1]) or isinstance(args[1], (int, float))):
+                raise TraceError(f"{base}() as a reduction at {where} is not traceable")
+            (x, kx), (y, ky) = E(0), E(1)
+            alpha = kw.get("alpha")
+            if alpha is not None and base in ("add", "sub"):
+                y = self.of(alpha, where)[0] * y
+            res, rk = binary[base](x, y), kind(kx, ky)
+        elif base in ("addcmul", "addcdiv"):
+            (x, kx), (t1, k1), (t2, k2) = E(0), E(1), E(2)
+            v = self.of(kw.get("value", args[3] if len(args) > 3 else 1.0), where)[0]
+            res = x + (v * t1) * t2 if base == "addcmul" else x + (v * t1) / t2
+            rk = kind(kx, k1, k2)
+        elif base == "lerp":
+            (x, kx), (y, ky), (w, kw_) = E(0), E(1), E(2)
+            res, rk = _core.lerp(x, y, w), kind(kx, ky, kw_)
+        elif base in ("clamp", "clip", "clamp_min", "clamp_max"):
+            e, k = E(0)
+            lo = kw.get("min", args[1] if len(args) > 1 and base in ("clamp", "clip", "clamp_min") else None)
+            hi = kw.get("max", args[2] if len(args) > 2 else (args[1] if base == "clamp_max" and len(args) > 1 else None))
+            res = e
+            if lo is not None:
+                res = _core.max(res, self.of(lo, where)[0])
+            if hi is not None:
+                res = _core.min(res, self.of(hi, where)[0])
+            rk = k
+        elif base == "where":
+            (c, kc), (x, kx), (y, ky) = E(0), E(1), E(2)
+            res, rk = _core.select(c, x, y), kind(kc, kx, ky)
+        elif base in ("zeros_like", "ones_like", "full_like", "empty_like"):
+            e, k = E(0)
+            v = {"zeros_like": 0.0, "ones_like": 1.0, "empty_like": 0.0}.get(base)
+            if base == "full_like":
+                v = kw.get("fill_value", args[1] if len(args) > 1 else None)
+            res, rk = self.of(v, where)[0], k
+        elif base in ("zero", "fill"):
+            e, k = E(0)
+            res, rk = (b.constant(0.0) if base == "zero" else self.of(args[1], where)[0]), k
+        elif base == "copy_":
+            (_, kt), (src, ks) = E(0), E(1)
+            res, rk = src, kind(kt, ks)
+        elif base in ("to", "float", "type_as", "type") and torch.is_tensor(args[0]):
+            e, k = E(0)
+            res, rk = e, k
+        elif base in ("tensor", "as_tensor", "scalar_tensor"):
+            res, rk = self.of(args[0], where)[0], "uniform"
+        else:
+            raise TraceError(f"torch op '{name}' at {where} is not traceable (no optfuse equivalent recorded)")
+        target = args[0] if inplace or base == "copy_" else out
+        if torch.is_tensor(target):
+            self.bind(target, res, rk)
+        if torch.is_tensor(out) and out is not target:
+            self.bind(out, res, rk)
+        return out
+
+
+# --- from an optimizer to a rule
+
+PROBE_ELEMENTS = 8   # a probe parameter's size when the group has none to copy the dimensions of
+LATER_STEP = 3       # the step count a "later step" trace starts from
+MAX_PATHS = 16       # symbolic Python branches: at most this many paths per trace
+
+
+def _numeric(v):
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or (torch.is_tensor(v) and v.numel() == 1)
+
+
+def hyper_values(group):
+    """The param group's numeric options as rule hyperparameters: {"lr": 1e-3, "betas#0": 0.9, ...}."""
+    out = {}
+    for k, v in group.items():
+        if k == "params":
+            continue
+        if _numeric(v):
+            out[k] = float(v)
+        elif isinstance(v, (tuple, list)) and v and all(_numeric(x) for x in v):
+            for i, x in enumerate(v):
+                out[f"{k}_{i}"] = float(x)
+    return out
+
+
+def structure(group):
+    """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings)."""
+    h = hyper_values(group)
+    return tuple((k, repr(v)) for k, v in sorted(group.items())
+                 if k != "params" and k not in h and f"{k}_0" not in h)
+
+
+class _Layout:
+    """What the optimizer keeps per parameter, found by stepping a probe twice without recording."""
+
+    def __init__(self, opt, group):
+        probe, p = _probe(opt, group, None)
+        for _ in range(2):
+            p.grad = torch.randn_like(p)
+            probe.step()
+        st = probe.state.get(p, {})
+        self.states, self.step_key, self.step_is_tensor = [], None, False
+        for k, v in st.items():
+            if v is None:  # a slot the optimizer does not use with these options (SGDW's buffer without momentum)
+                continue
+            if torch.is_tensor(v) and v.shape == p.shape:
+                self.states.append(k)
+            elif k == "step" and (torch.is_tensor(v) or _numeric(v)):
+                self.step_key, self.step_is_tensor = k, torch.is_tensor(v)
+            else:
+                raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
+                                 f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "
+                                 "a tensor of the parameter's shape nor the step count: not traceable yet")
+
+
+def _private(v):
+    return v.detach().clone() if torch.is_tensor(v) else v
+
+
+def probe_shape(group, like=None):
+    """A small shape with the dimensions of `like` (default: the group's first parameter), each at most
+    4: optimizer code may branch on p.dim() (timm's SGDP projects matrices differently from vectors)."""
+    like = like if like is not None else (group["params"][0] if group.get("params") else torch.empty(PROBE_ELEMENTS))
+    return tuple(min(d, 4) for d in like.shape) or ()
+
+
+def _probe(opt, group, hyper_subst, shape=None):
+    """A shallow copy of `opt` whose only parameter is a small probe tensor, in a copy of `group`."""
+    p = torch.randn(shape if shape is not None else probe_shape(group))
+    # tensors are copied: the probe's step must not change the optimizer's own (timm's group["step"])
+    g = {k: _private(hyper_subst(k, v) if hyper_subst else v) for k, v in group.items() if k != "params"}
+    g["params"] = [p]
+    probe = object.__new__(type(opt))
+    # not opt's own step: an lr scheduler stores a wrapper there that steps opt, whatever it is called on
+    probe.__dict__.update({k: _private(v) for k, v in opt.__dict__.items() if k != "step"})
+    probe.param_groups = [g]
+    probe.state = __import__("collections").defaultdict(dict)
+    return probe, p
+
+
+def _trace_once(opt, group, layout, b, first, forced):
+    """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths)."""
+    paths = _Paths(forced)
+    hypers = hyper_values(group)
+
+    def subst(k, v):
+        if k in hypers:
+            return SymFloat(float(v), b.hyper(k), paths)
+        if isinstance(v, (tuple, list)) and f"{k}_0" in hypers:
+            return type(v)(SymFloat(float(x), b.hyper(f"{k}_{i}"), paths) for i, x in enumerate(v))
+        return v
+
+    probe, p = _probe(opt, group, subst)
+    rec = _Recorder(b, paths)
+    rec.bind(p, b.param(), "element")
+    p.grad = torch.randn_like(p)
+    rec.bind(p.grad, b.update(), "element")
+    if not first:
+        st = probe.state[p]
+        for k in layout.states:
+            t = torch.rand_like(p) + 0.5
+            rec.bind(t, b.state(k), "element")
+            st[k] = t
+        if layout.step_key is not None:
+            before = b.step() - 1.0
+            if layout.step_is_tensor:
+                t = torch.tensor(float(LATER_STEP))
+                rec.bind(t, before, "uniform")
+                st[layout.step_key] = t
+            else:
+                st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
+    saved = {n: getattr(math, n) for n in _MATH}
+    try:
+        for n, exprfn in _MATH.items():
+            setattr(math, n, _symbolic_math(saved[n], exprfn))
+        with rec:
+            probe.step()
+    finally:
+        for n, f in saved.items():
+            setattr(math, n, f)
+    st = probe.state.get(p, {})
+
+    def expr_of(t, what):
+        if isinstance(t, SymFloat):
+            return t.expr
+        hit = rec.expr.get(rec.key(t))
+        if hit is None:
+            raise TraceError(f"{what} after the step is a tensor the trace did not produce")
+        return hit[0]
+
+    states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if k in st}
+    return expr_of(p, "the parameter"), states, paths.seen
+
+
+def _explore(opt, group, layout, b, first):
+    """Every path through the symbolic branches, merged with selects into one set of expressions."""
+    count = [0]
+
+    def run(forced):
+        count[0] += 1
+        if count[0] > MAX_PATHS:
+            raise TraceError(f"more than {MAX_PATHS} paths through Python branches on hyperparameters or the step")
+        param, states, seen = _trace_once(opt, group, layout, b, first, forced)
+        return merge(forced, param, states, seen)
+
+    def merge(forced, param, states, seen):
+        # seen[i] for i >= len(forced) were decided by real values; trace the other outcome of each
+        for i in range(len(seen) - 1, len(forced) - 1, -1):
+            cond, outcome = seen[i]
+            other = run([o for _, o in seen[:i]] + [not outcome])
+            op, ost = other
+            t_param, f_param = (param, op) if outcome else (op, param)
+            param = _core.select(cond, t_param, f_param)
+            merged = {}
+            for k in set(states) | set(ost):
+                a, c = states.get(k), ost.get(k)
+                if a is None or c is None:
+                    merged[k] = a if c is None else c
+                else:
+                    merged[k] = _core.select(cond, a, c) if outcome else _core.select(cond, c, a)
+            states = merged
+        return param, states
+
+    return run([])
+
+
+def traced_rule(opt, group):
+    """An optfuse Rule equivalent to one step of `opt` on a parameter of `group` (TraceError if not)."""
+    layout = _Layout(opt, group)
+    rule = _core.Rule(f"traced_{type(opt).__name__}")
+    for k, v in hyper_values(group).items():
+        rule.hyper(k, v)
+    for k in layout.states:
+        rule.state(k, 0.0)
+
+    def update(b):
+        p_first, s_first = _explore(opt, group, layout, b, True)
+        p_later, s_later = _explore(opt, group, layout, b, False)
+        is_first = b.step() == 1.0
+        for k in layout.states:
+            later = s_later.get(k, b.state(k))
+            b.set_state(k, _core.select(is_first, s_first[k], later) if k in s_first else later)
+        b.set_param_base(_core.select(is_first, p_first, p_later))
+        return b.constant(0.0)
+
+    rule.update(update)
+    return rule, layout
