@@ -231,6 +231,7 @@ class _Recorder(TorchFunctionMode):
         binary = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y, "subtract": lambda x, y: x - y,
                   "mul": lambda x, y: x * y, "multiply": lambda x, y: x * y, "div": lambda x, y: x / y,
                   "truediv": lambda x, y: x / y, "divide": lambda x, y: x / y, "pow": _core.pow,
+                  # max/min of two tensors (with a dim they return (values, indices): not recorded, so refused)
                   "maximum": _core.max, "minimum": _core.min, "max": _core.max, "min": _core.min,
                   "gt": lambda x, y: x > y, "lt": lambda x, y: x < y, "ge": lambda x, y: x >= y,
                   "le": lambda x, y: x <= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
@@ -241,8 +242,6 @@ class _Recorder(TorchFunctionMode):
         elif base in binary and len(args) >= 2:
             if base in ("div", "truediv", "divide") and kw.get("rounding_mode") is not None:
                 raise TraceError(f"division with rounding_mode at {where} is not traceable")
-            if base in ("max", "min") and not (torch.is_tensor(args[1]) or isinstance(args[1], (int, float))):
-                raise TraceError(f"{base}() as a reduction at {where} is not traceable")
             (x, kx), (y, ky) = E(0), E(1)
             alpha = kw.get("alpha")
             if alpha is not None and base in ("add", "sub"):
