@@ -12,32 +12,15 @@ import torch
 import optfuse
 import optfuse.torch as oft
 from conftest import make_model, rel_diff, train, twin
+from test_torch_parity import LionReference
 
 STEPS = 20
 TOL = 1e-6
 CUDA_TOL = 2e-6
 
 
-class MyLion(torch.optim.Optimizer):
-    """The ten-line Lion someone writes by hand."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["exp_avg"] = torch.zeros_like(p)
-                m = st["exp_avg"]
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(m.clone().mul_(b1).add(p.grad, alpha=1 - b1).sign_(), alpha=-g["lr"])
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+class MyLion(LionReference):
+    """The ten-line Lion someone writes by hand (test_torch_parity's), under its own class name."""
 
 
 class WarmupMomentum(torch.optim.Optimizer):
@@ -141,10 +124,12 @@ def test_explain_shows_the_traced_rule():
     assert "traced_MyLion" in text and "1 pass(es) over memory" in text
 
 
-class ItemOnData(torch.optim.Optimizer):
+class _PlainLr(torch.optim.Optimizer):
     def __init__(self, params):
         super().__init__(params, dict(lr=0.1))
 
+
+class ItemOnData(_PlainLr):
     @torch.no_grad()
     def step(self):
         for g in self.param_groups:
@@ -152,10 +137,7 @@ class ItemOnData(torch.optim.Optimizer):
                 p.add_(p.grad, alpha=-g["lr"] / (1 + p.grad.abs().max().item()))
 
 
-class BranchOnData(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(params, dict(lr=0.1))
-
+class BranchOnData(_PlainLr):
     @torch.no_grad()
     def step(self):
         for g in self.param_groups:
@@ -164,10 +146,7 @@ class BranchOnData(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-g["lr"])
 
 
-class Indexing(torch.optim.Optimizer):
-    def __init__(self, params):
-        super().__init__(params, dict(lr=0.1))
-
+class Indexing(_PlainLr):
     @torch.no_grad()
     def step(self):
         for g in self.param_groups:
