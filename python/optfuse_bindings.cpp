@@ -8,6 +8,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -259,6 +260,7 @@ std::optional<DType> to_dtype(nb::dlpack::dtype t) {
   if (code == nb::dlpack::dtype_code::Float && t.bits == 32) return DType::f32;
   if (code == nb::dlpack::dtype_code::Float && t.bits == 16) return DType::f16;
   if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return DType::bf16;
+  if (code == nb::dlpack::dtype_code::Int && t.bits == 16) return DType::i16;
   return std::nullopt;
 }
 
@@ -286,18 +288,30 @@ std::string device_text(int type, int id) {
 
 class PyOptimizer {
  public:
-  PyOptimizer(nb::handle chain, const std::string& backend, int groups) {
+  PyOptimizer(nb::handle chain, const std::string& backend, int groups, const std::string& master_weights,
+              nb::handle kahan) {
     Chain c = to_chain(chain);
     Backend b = parse_backend(backend);
+    Precision prec;
+    if (master_weights == "copy" || master_weights == "true") prec.master = MasterWeights::copy;
+    else if (master_weights == "remainders") prec.master = MasterWeights::remainders;
+    else if (master_weights != "none" && master_weights != "false")
+      throw Error("master_weights must be 'none', 'copy' or 'remainders', got '" + master_weights + "'");
+    if (!kahan.is_none()) {
+      prec.kahan = true;
+      prec.kahan_dtype = parse_dtype(nb::cast<std::string>(kahan));
+    }
     nb::gil_scoped_release release;  // compiling can take a while; Python update functions re-take the GIL
-    opt_ = std::make_unique<Optimizer>(c, b, groups);
+    opt_ = std::make_unique<Optimizer>(c, b, groups, prec);
   }
 
   Optimizer& get() { return *opt_; }
   bool on_cuda() const { return opt_->backend() == Backend::cuda; }
 
-  // (param, grad, [states], group) per tensor, each an array with DLPack.
-  void set_tensors(nb::handle items) {
+  // (param, grad, [states], group) per tensor, each an array with DLPack. stochastic_rounding: the
+  // low-precision float buffers the step writes round stochastically; tensor t's random stream
+  // is keyed on (rng_seed << 32) ^ t.
+  void set_tensors(nb::handle items, bool stochastic_rounding, uint64_t rng_seed) {
     const auto& states = opt_->plan().program.states;
     std::vector<TensorRef> refs;
     std::vector<nb::object> keep;
@@ -325,6 +339,11 @@ class PyOptimizer {
         r.states.push_back(buffer(array(a, w, true, keep), w, param, dev_id));
       }
       r.group = n == 4 ? nb::cast<int>(item[3]) : 0;
+      if (stochastic_rounding) {
+        r.param.stochastic_rounding = dtype_is_low_precision_float(r.param.dtype);
+        for (Buffer& b : r.states) b.stochastic_rounding = dtype_is_low_precision_float(b.dtype);
+      }
+      r.rng_key = (rng_seed << 32) ^ static_cast<uint64_t>(t);
       refs.push_back(r);
       ++t;
     }
@@ -334,22 +353,34 @@ class PyOptimizer {
   }
 
   // The torch front end's path: pointers checked on the Python side (contiguous, dtype, device,
-  // sizes), which keeps the tensors alive. states holds num_states pointers per tensor.
+  // sizes), which keeps the tensors alive. states holds num_states pointers per tensor; dtypes and
+  // stochastic hold one entry per role (param, grad, states) per tensor (stochastic may be empty:
+  // none); rng_keys / rng_offsets one per tensor (or empty: 0).
   void set_tensors_raw(const std::vector<uint64_t>& params, const std::vector<uint64_t>& grads,
                        const std::vector<uint64_t>& states, const std::vector<int64_t>& numels,
                        const std::vector<int>& dtypes, const std::vector<int>& groups, int device_id,
-                       const std::vector<int64_t>& watch_indices) {
-    size_t n = params.size(), ns = opt_->plan().program.states.size();
-    if (grads.size() != n || numels.size() != n || dtypes.size() != n || groups.size() != n || states.size() != n * ns ||
-        (!watch_indices.empty() && watch_indices.size() != n))
+                       const std::vector<int64_t>& watch_indices, const std::vector<bool>& stochastic,
+                       const std::vector<uint64_t>& rng_keys, const std::vector<int64_t>& rng_offsets) {
+    size_t n = params.size(), ns = opt_->plan().program.states.size(), roles = 2 + ns;
+    if (grads.size() != n || numels.size() != n || dtypes.size() != n * roles || groups.size() != n ||
+        states.size() != n * ns || (!watch_indices.empty() && watch_indices.size() != n) ||
+        (!stochastic.empty() && stochastic.size() != n * roles) || (!rng_keys.empty() && rng_keys.size() != n) ||
+        (!rng_offsets.empty() && rng_offsets.size() != n))
       throw Error("_set_tensors_raw: inconsistent list lengths");
     std::vector<TensorRef> refs(n);
     for (size_t i = 0; i < n; ++i) {
-      DType d = static_cast<DType>(dtypes[i]);
-      refs[i].param = {reinterpret_cast<void*>(params[i]), numels[i], d};
-      refs[i].grad = {reinterpret_cast<void*>(grads[i]), numels[i], d};
-      for (size_t s = 0; s < ns; ++s) refs[i].states.push_back({reinterpret_cast<void*>(states[i * ns + s]), numels[i], d});
+      auto buf = [&](uint64_t ptr, size_t role) {
+        int code = dtypes[i * roles + role];
+        if (code < 0 || code >= kNumDTypes) throw Error("_set_tensors_raw: bad dtype code " + std::to_string(code));
+        return Buffer{reinterpret_cast<void*>(ptr), numels[i], static_cast<DType>(code),
+                      !stochastic.empty() && stochastic[i * roles + role]};
+      };
+      refs[i].param = buf(params[i], 0);
+      refs[i].grad = buf(grads[i], 1);
+      for (size_t s = 0; s < ns; ++s) refs[i].states.push_back(buf(states[i * ns + s], 2 + s));
       refs[i].group = groups[i];
+      if (!rng_keys.empty()) refs[i].rng_key = rng_keys[i];
+      if (!rng_offsets.empty()) refs[i].rng_offset = rng_offsets[i];
     }
     opt_->set_tensors(refs);
     keep_.clear();
@@ -483,8 +514,6 @@ class PyOptimizer {
     if (a.size() != param.size())
       throw Error(what + " has shape " + describe_shape(a) + " (" + std::to_string(a.size()) +
                   " elements) but the parameter has shape " + describe_shape(param) + " (" + std::to_string(param.size()) + ")");
-    std::optional<DType> pd = to_dtype(param.dtype());
-    if (pd && *pd != *d) throw Error(what + " is " + dtype_name(*d) + " but the parameter is " + dtype_name(*pd));
     return Buffer{const_cast<void*>(static_cast<const void*>(a.data())), static_cast<int64_t>(a.size()), *d};
   }
 
@@ -821,7 +850,10 @@ NB_MODULE(_core, m) {
 
   // --- Optimizer
   nb::class_<PyOptimizer>(m, "Optimizer", "A compiled chain with its scalars, stepping caller-owned tensors.")
-      .def(nb::init<nb::handle, const std::string&, int>(), "chain"_a, "backend"_a = "cpu", "groups"_a = 1)
+      .def(nb::init<nb::handle, const std::string&, int, const std::string&, nb::handle>(), "chain"_a,
+           "backend"_a = "cpu", "groups"_a = 1, "master_weights"_a = "none", "kahan"_a = nb::none(),
+           "master_weights: 'none', 'copy' (a float32 master state) or 'remainders' (an int16 remainder state, "
+           "bfloat16 parameters); kahan: None or the parameters' dtype name for Kahan-compensated updates.")
       .def_prop_ro("backend", [](PyOptimizer& o) { return std::string(backend_name(o.get().backend())); })
       .def_prop_ro("num_groups", [](PyOptimizer& o) { return o.get().num_groups(); })
       .def_prop_ro("plan", [](PyOptimizer& o) { return o.get().plan(); })
@@ -835,6 +867,12 @@ NB_MODULE(_core, m) {
         for (auto& s : o.get().plan().program.states) out.emplace_back(s.name, s.qualified, s.init);
         return out;
       }, "(name, qualified name, initial value) per state slot.")
+      .def_prop_ro("state_storage", [](PyOptimizer& o) {
+        std::vector<std::tuple<bool, std::optional<std::string>>> out;
+        for (auto& s : o.get().plan().program.states)
+          out.emplace_back(s.init_from_param, s.fixed_dtype ? std::optional<std::string>(dtype_name(s.dtype)) : std::nullopt);
+        return out;
+      }, "(starts as a copy of the parameter, fixed dtype name or None) per state slot.")
       .def_prop_ro("hyper_names", [](PyOptimizer& o) {
         std::vector<std::string> out;
         for (auto& h : o.get().plan().program.hypers) out.push_back(h.qualified);
@@ -853,8 +891,10 @@ NB_MODULE(_core, m) {
       .def("hyper", [](PyOptimizer& o, int g, const std::string& n) { return o.get().hyper(g, n); }, "group"_a, "name"_a)
       .def("step_count", [](PyOptimizer& o, int g) { return o.get().step_count(g); }, "group"_a = 0)
       .def("set_step_count", [](PyOptimizer& o, int g, int64_t s) { o.get().set_step_count(g, s); }, "group"_a, "steps"_a)
-      .def("set_tensors", &PyOptimizer::set_tensors, "tensors"_a,
-           "tensors: list of (param, grad, [states], group); arrays with DLPack, contiguous, float32/float16/bfloat16.")
+      .def("set_tensors", &PyOptimizer::set_tensors, "tensors"_a, "stochastic_rounding"_a = false, "rng_seed"_a = 0,
+           "tensors: list of (param, grad, [states], group); arrays with DLPack, contiguous, float32/float16/bfloat16 "
+           "(each role its own; int16 for a master-weight remainder state). stochastic_rounding: float16/bfloat16 "
+           "parameters and states are stored with stochastic rounding, tensor t's stream keyed on (rng_seed << 32) ^ t.")
       .def("step", &PyOptimizer::step, "grad_scale"_a = nb::none(), "found_inf"_a = nb::none(), "stream"_a = nb::none())
       .def("source", [](PyOptimizer& o) { return o.get().source(); })
       .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })

@@ -23,6 +23,10 @@
 //   Lerp: x + z*(y - x) computed as torch.lerp does: |z| < 0.5 ? x + z*(y-x) : y - (y-x)*(1-z)
 //   Fma: x*y + z with one rounding
 //   RoundBF16 / RoundF16: x rounded to bfloat16 / float16 precision (to mimic low-precision storage)
+//   Master-weight remainders (element values only; x is first rounded to float32; exact bit
+//   definitions in src/ir/low_precision_code.h): MasterFromRemainder: the float32 master whose
+//   bfloat16 parameter is x and int16 remainder y; RemainderOfMaster: x's remainder (an integer in
+//   [-32768, 32767]); ParamOfMaster: x's bfloat16 parameter (nearest, ties away from zero)
 //   SumSquares: sum of x*x over the elements of its scope (float64 accumulation, fixed order:
 //               deterministic). Input element.
 //   AnyNonFinite: 1 if any element of x in its scope is inf or NaN, else 0. Input element.
@@ -45,6 +49,7 @@ enum class Op : uint8_t {
   Neg, Abs, Sign, Sqrt, Rsqrt, Exp, Log, Not, IsFinite, RoundBF16, RoundF16,
   Add, Sub, Mul, Div, Pow, Min, Max, Lt, Le, Gt, Ge, Eq, Ne, And, Or,
   Select, Lerp, Fma,
+  MasterFromRemainder, RemainderOfMaster, ParamOfMaster,
   SumSquares, AnyNonFinite,
 };
 
@@ -148,6 +153,9 @@ Expr fma(Expr x, Expr y, Expr z);
 Expr is_finite(Expr x);
 Expr round_to_bf16(Expr x);
 Expr round_to_f16(Expr x);
+Expr master_from_remainder(Expr param, Expr remainder);
+Expr remainder_of_master(Expr master);
+Expr param_of_master(Expr master);
 Expr global_sum_of_squares(Expr x);
 Expr any_nonfinite(Expr x);
 // Per-tensor reductions: one value per tensor (LAMB's and LARS's norms).

@@ -31,13 +31,24 @@ struct Buffer {
   void* data = nullptr;
   int64_t numel = 0;
   DType dtype = DType::f32;
+  // Stores to this buffer round stochastically (float16/bfloat16 buffers the step writes: the
+  // parameter and states); unbiased, so updates far below one ulp survive on average.
+  bool stochastic_rounding = false;
 };
 
-// One parameter: its gradient and its state slots in the plan's order, all of one size and dtype.
+// One parameter: its gradient and its state slots in the plan's order, all of one size. Each role
+// has its own dtype (float32, float16 or bfloat16; a fixed-dtype state of the plan's precision
+// options has that one); the kernels are specialised on the combination, math is float32.
 struct TensorRef {
   Buffer param, grad;
   std::vector<Buffer> states;
   int group = 0;
+  // Stochastic rounding's random stream for this tensor: element e draws its bits from
+  // (rng_key, rng_offset + e, step, role), so a tensor cut into shards, each with the offset of its
+  // first element, rounds exactly as the whole tensor would. Give each tensor its own key (and fold
+  // a seed into it); equal keys and offsets mean equal random bits.
+  uint64_t rng_key = 0;
+  int64_t rng_offset = 0;
 };
 
 struct StepInputs {
@@ -55,7 +66,7 @@ struct HyperSource;
 // optfuse::Error ("... was moved from"); assigning a live Optimizer to it makes it usable again.
 class Optimizer {
  public:
-  Optimizer(const Chain& chain, Backend backend, int groups = 1);
+  Optimizer(const Chain& chain, Backend backend, int groups = 1, const Precision& precision = {});
   ~Optimizer();
   Optimizer(Optimizer&&) noexcept;
   Optimizer& operator=(Optimizer&&) noexcept;
@@ -81,8 +92,10 @@ class Optimizer {
   int64_t step_count(int group) const;
   void set_step_count(int group, int64_t steps);
 
-  // Validates every tensor (sizes and dtypes agree, state count matches the plan, group exists)
-  // and builds the tensor table; throws without changing anything on bad input.
+  // Validates every tensor (sizes agree, dtypes are ones the roles and the plan's precision options
+  // take, state count matches the plan, group exists) and builds the tensor table; throws without
+  // changing anything on bad input. A combination of role dtypes not seen before compiles a kernel
+  // variant for it (once; cached on disk).
   void set_tensors(const std::vector<TensorRef>& tensors);
   const std::vector<TensorRef>& tensors() const { return tensors_; }
   // Points the tensors at new gradient buffers (one per tensor, same sizes and dtypes as before):
@@ -113,5 +126,8 @@ class Optimizer {
 
 // Fills a state buffer with its init value (host memory only; helper for tests and the CLI).
 void fill_host_buffer(const Buffer& b, double value);
+// Fills every state of a host tensor with its initial value: the parameter's value for a master
+// copy (ProgramState::init_from_param), `init` for the others.
+void init_host_states(const Plan& plan, const TensorRef& t);
 
 }  // namespace optfuse

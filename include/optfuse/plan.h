@@ -83,7 +83,7 @@ struct Plan {
 };
 
 // Runs the pass pipeline on the chain's program and plans it.
-Plan make_plan(const Chain& chain);
+Plan make_plan(const Chain& chain, const Precision& precision = {});
 Plan make_plan(Program program);
 
 // Prints the IR one node per line ("%7 = mul %3, %5   ; element L0 exp_avg_new").

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "optfuse/dtype.h"
 #include "optfuse/ir.h"
 
 namespace optfuse {
@@ -80,6 +81,30 @@ Chain chain(std::initializer_list<Chain> parts);
 struct ProgramState {
   std::string rule, name, qualified;
   double init = 0;
+  bool init_from_param = false;  // starts as a copy of the parameter (a master copy), not `init`
+  bool fixed_dtype = false;      // must be stored as `dtype` (master copy: float32; remainder: int16)
+  DType dtype = DType::f32;
+};
+
+// How low-precision (float16/bfloat16) parameters are kept: plan options, all off by default.
+// The precision states are appended after the rules' states.
+enum class MasterWeights : uint8_t {
+  none,
+  copy,        // state master_weights.master_param (float32): rules see it as the parameter; each step
+               // updates it and writes the parameter rounded to nearest from it
+  remainders,  // state master_weights.param_remainder (int16): the float32 master is rebuilt exactly from
+               // the bfloat16 parameter and its remainder, updated, and split again (2 bytes more
+               // per parameter instead of 4; bfloat16 parameters only)
+};
+const char* master_weights_name(MasterWeights m);
+struct Precision {
+  MasterWeights master = MasterWeights::none;
+  // Kahan-compensated updates for parameters stored as `kahan_dtype` (float16 or bfloat16) without
+  // a master copy: state kahan.kahan_comp holds what each parameter store rounded away, and the
+  // next step adds it back.
+  bool kahan = false;
+  DType kahan_dtype = DType::bf16;
+  bool any() const { return master != MasterWeights::none || kahan; }
 };
 struct ProgramHyper {
   std::string rule, name, qualified;
@@ -100,6 +125,7 @@ struct Program {
   std::vector<NodeId> state_out;        // per state slot: the new value (the old one if unchanged)
   NodeId skip = kNoNode;                // uniform: when != 0 the step changes nothing (kNoNode: never)
   std::map<NodeId, std::string> names;  // readable names for generated code ("exp_avg_new")
+  Precision precision;                  // how the parameter is stored (its states are the last ones)
 
   // Index of a hyperparameter by short or qualified name: every slot that matches (a short name
   // may match several rules, e.g. "lr"). Throws optfuse::Error naming the closest known name.
@@ -134,9 +160,11 @@ class RuleBuilder {
   void set_param_base(Expr base);
 
  private:
-  friend Program build_program(const Chain& chain);
-  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming, Expr* param_base);
+  friend Program build_program(const Chain& chain, const Precision& precision);
+  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr param, Expr incoming,
+              Expr* param_base);
   Program& p_;
+  Expr param_;
   Expr* param_base_;
   const Rule& rule_;
   int first_state_, first_hyper_;
@@ -144,7 +172,8 @@ class RuleBuilder {
 };
 
 // Runs every rule's update function in order into one graph. Throws optfuse::Error for a rule
-// that reads an undeclared state or hyperparameter, returns no update, or skips on element values.
-Program build_program(const Chain& chain);
+// that reads an undeclared state or hyperparameter, returns no update, or skips on element values,
+// and for precision options that cannot go together.
+Program build_program(const Chain& chain, const Precision& precision = {});
 
 }  // namespace optfuse

@@ -1,16 +1,68 @@
 #include "codegen/abi.h"
 
+#include <algorithm>
+
 namespace optfuse {
 
 std::string abi_source() {
   return R"(
 // Shared with the runtime (codegen/abi.h): tensor-table rows are plain 64-bit words.
-struct OfTensor { void* ptr[OF_ROLES]; long long numel; int group; int dtype; int first_chunk; int num_chunks; };
+struct OfTensor {
+  void* ptr[OF_ROLES]; long long numel; int group; int variant; int first_chunk; int num_chunks;
+  unsigned long long rng_key; long long rng_offset;
+};
 struct OfChunk { long long begin; int tensor; int length; };
 // Where a group's hyperparameter is read from: ptr == 0: the table; else a float32 (type 0) or
 // float64 (type 1) scalar (HyperSource in runtime/executor.h).
 struct OfHyperSource { unsigned long long ptr; int type; int pad; };
 )";
+}
+
+StorageVariant storage_variant(const TensorRef& t) {
+  StorageVariant v{{t.param.dtype, t.param.stochastic_rounding}, {t.grad.dtype, t.grad.stochastic_rounding}};
+  for (const Buffer& b : t.states) v.push_back({b.dtype, b.stochastic_rounding});
+  return v;
+}
+
+std::vector<StorageVariant> default_variants(const Plan& plan) {
+  const Precision& prec = plan.program.precision;
+  std::vector<StorageVariant> out;
+  for (DType d : {DType::f32, DType::f16, DType::bf16}) {
+    if (prec.master == MasterWeights::copy && d == DType::f32) continue;
+    if (prec.master == MasterWeights::remainders && d != DType::bf16) continue;
+    if (prec.kahan && d != prec.kahan_dtype) continue;
+    StorageVariant v{{d, false}, {d, false}};
+    for (const ProgramState& s : plan.program.states) v.push_back({s.fixed_dtype ? s.dtype : d, false});
+    out.push_back(v);
+  }
+  return out;
+}
+
+bool assign_variants(const std::vector<TensorRef>& tensors, std::vector<StorageVariant>& variants,
+                     std::vector<int>& index) {
+  bool added = false;
+  index.resize(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    StorageVariant v = storage_variant(tensors[t]);
+    auto it = std::find(variants.begin(), variants.end(), v);
+    if (it == variants.end()) {
+      variants.push_back(v);
+      added = true;
+      it = variants.end() - 1;
+    }
+    index[t] = static_cast<int>(it - variants.begin());
+  }
+  return added;
+}
+
+std::string describe_variant(const StorageVariant& v, const std::vector<std::string>& role_names) {
+  std::string s;
+  for (size_t r = 0; r < v.size(); ++r) {
+    s += (r ? ", " : "") + (r < role_names.size() ? role_names[r] : "role" + std::to_string(r)) + " " +
+         dtype_name(v[r].dtype);
+    if (v[r].stochastic) s += " (stochastic)";
+  }
+  return s;
 }
 
 }  // namespace optfuse

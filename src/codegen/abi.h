@@ -2,13 +2,40 @@
 // host side (runtime/tensor_table.h, runtime/chunks.h, runtime/executor.h) and the structs the
 // generated code reads cannot drift apart: the static_asserts there pin the host side's sizes.
 //   OfTensor   one tensor-table row: a pointer per role (param, grad, each state), the element
-//              count, the group, the storage dtype, and the tensor's range in the chunk list
+//              count, the group, the kernel variant (its roles' storage), the tensor's range in the
+//              chunk list, and its stochastic-rounding stream (key, offset of its first element)
 //   OfChunk    one chunk: first element within its tensor, the tensor, the element count
 //   OfHyperSource  where a group's hyperparameter is read from (HyperSource)
+//
+// A *storage variant* is how each role of a tensor is stored: its dtype and whether stores to it
+// round stochastically. Generated code has one specialised chunk loop per variant of the tensor
+// set (the variant list is part of the source, so of the compile key); OfTensor::variant indexes
+// that list.
 #pragma once
 #include <string>
+#include <vector>
+
+#include "optfuse/optimizer.h"
 
 namespace optfuse {
+
+struct RoleStorage {
+  DType dtype = DType::f32;
+  bool stochastic = false;
+  bool operator==(const RoleStorage& o) const { return dtype == o.dtype && stochastic == o.stochastic; }
+};
+// Per role: param, grad, then each state.
+using StorageVariant = std::vector<RoleStorage>;
+
+StorageVariant storage_variant(const TensorRef& t);
+// The variants compiled before any tensor is seen: every role float32, float16 or bfloat16 (states
+// of a fixed dtype keep theirs), where the plan's precision options allow it.
+std::vector<StorageVariant> default_variants(const Plan& plan);
+// Each tensor's index in `variants`, appending the variants missing; returns whether any was added.
+bool assign_variants(const std::vector<TensorRef>& tensors, std::vector<StorageVariant>& variants,
+                     std::vector<int>& index);
+// "param bfloat16, grad float32, exp_avg bfloat16 (stochastic)..." for comments and messages.
+std::string describe_variant(const StorageVariant& v, const std::vector<std::string>& role_names);
 
 // Needs OF_ROLES defined before it.
 std::string abi_source();

@@ -1,5 +1,7 @@
 #include "codegen/c_printer.h"
 
+#include "codegen/low_precision_source.h"
+
 #include <cmath>
 #include <cstdio>
 #include <set>
@@ -179,6 +181,10 @@ std::string CPrinter::expr(NodeId id, bool element) const {
     case Op::Select: return "(" + in(0) + " != " + zero + " ? " + in(1) + " : " + in(2) + ")";
     case Op::Lerp: return "of_lerp(" + in(0) + ", " + in(1) + ", " + in(2) + ")";
     case Op::Fma: return std::string("fma") + f + "(" + in(0) + ", " + in(1) + ", " + in(2) + ")";
+    // Element-only ops (bit manipulations of float32 values): the float forms in every context.
+    case Op::MasterFromRemainder: return "of_master_from_remainder((float)" + in(0) + ", (float)" + in(1) + ")";
+    case Op::RemainderOfMaster: return "of_remainder_of_master((float)" + in(0) + ")";
+    case Op::ParamOfMaster: return "of_param_of_master((float)" + in(0) + ")";
     default: return "/* unprintable " + std::string(op_name(n.op)) + " */";
   }
 }
@@ -197,7 +203,8 @@ std::string CPrinter::header_comment() const {
 }
 
 std::string CPrinter::prelude() const {
-  return std::string("#define OF_FN ") + d_.fn_qualifier + "\n" + d_.extra_prelude + kCommonPrelude;
+  return std::string("#define OF_FN ") + d_.fn_qualifier + "\n" + d_.extra_prelude + kCommonPrelude +
+         low_precision_source();
 }
 
 std::string CPrinter::element_function(size_t phase) const {

@@ -11,17 +11,34 @@ namespace optfuse {
 namespace {
 
 // Storage types and their loads/stores. bf16/f16 go through the prelude's conversions, written
-// branch-free enough (a NaN test becomes a select) that GCC and Clang vectorise them.
+// branch-free enough (a NaN test becomes a select) that GCC and Clang vectorise them. int16 holds
+// master-weight remainders (integers, stored exactly). of_st_sr: stochastic rounding with random
+// bits r (low_precision_code.h).
 const char* kCpuTables = R"(
 struct of_half { unsigned short bits; };
 struct of_bfloat { unsigned short bits; };
+struct of_i16 { short bits; };
 static inline float of_ld(const float* p, long long i) { return p[i]; }
 static inline float of_ld(const of_half* p, long long i) { return of_f16_to_float(p[i].bits); }
 static inline float of_ld(const of_bfloat* p, long long i) { return of_bf16_to_float(p[i].bits); }
+static inline float of_ld(const of_i16* p, long long i) { return (float)p[i].bits; }
 static inline void of_st(float* p, long long i, float v) { p[i] = v; }
 static inline void of_st(of_half* p, long long i, float v) { p[i].bits = of_float_to_f16(v); }
 static inline void of_st(of_bfloat* p, long long i, float v) { p[i].bits = of_float_to_bf16(v); }
+static inline void of_st(of_i16* p, long long i, float v) { p[i].bits = (short)(int)v; }
+static inline void of_st_sr(of_half* p, long long i, float v, unsigned r) { p[i].bits = of_float_to_f16_sr(v, r); }
+static inline void of_st_sr(of_bfloat* p, long long i, float v, unsigned r) { p[i].bits = of_float_to_bf16_sr(v, r); }
 )";
+
+const char* storage_type(DType d) {
+  switch (d) {
+    case DType::f32: return "float";
+    case DType::f16: return "of_half";
+    case DType::bf16: return "of_bfloat";
+    case DType::i16: return "of_i16";
+  }
+  return "?";
+}
 
 struct PhaseRoles {
   std::vector<int> read, write, used;  // role indices (0 param, 1 grad, 2+s state s)
@@ -40,27 +57,42 @@ PhaseRoles phase_roles(const ElementPhase& ph) {
   return r;
 }
 
+// Whether a phase stores some role of variant v stochastically (it then needs the random stream).
+bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
+  for (int r : pr.write)
+    if (v[static_cast<size_t>(r)].stochastic) return true;
+  return false;
+}
+
 // One element at index `idx`: load the roles the phase reads, run the element function with
-// accumulators `acc`, store the roles it writes.
-std::string element_body(size_t phase, const PhaseRoles& pr, const std::vector<std::string>& roles,
-                         const std::string& idx, const std::string& acc, const std::string& indent) {
+// accumulators `acc`, store the roles it writes (stochastic stores draw bits for element
+// first_elem + idx of the tensor).
+std::string element_body(size_t phase, const PhaseRoles& pr, const StorageVariant& var,
+                         const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
+                         const std::string& indent) {
   std::ostringstream s;
   s << indent << "float v[OF_ROLES];\n";
   for (int r : pr.read)
     s << indent << "v[" << r << "] = of_ld(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ");\n";
   s << indent << "of_phase" << phase << "_element(v, u, " << acc << ");\n";
-  for (int r : pr.write)
-    s << indent << "of_st(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ", v[" << r << "]);\n";
+  for (int r : pr.write) {
+    const std::string& nm = roles[static_cast<size_t>(r)];
+    if (var[static_cast<size_t>(r)].stochastic)
+      s << indent << "of_st_sr(" << nm << "_p, " << idx << ", v[" << r << "], of_rng_bits(rng, (unsigned long long)(first_elem + "
+        << idx << "), " << r << "));\n";
+    else
+      s << indent << "of_st(" << nm << "_p, " << idx << ", v[" << r << "]);\n";
+  }
   return s.str();
 }
 
 // Software prefetch. The hardware stream prefetchers stop at every 4 KiB page and must re-learn
 // each of a phase's streams there; with only a few cores each core's misses in flight, not DRAM,
-// limit a streaming pass. Each loop therefore runs in blocks of kPrefetchBlock bytes per role and,
-// before a block, prefetches the lines of every role it touches a fixed distance ahead (prefetchw
-// for roles it writes, so the later store needs no ownership upgrade). In a throwaway harness on
-// a 2-core Xeon VM this sped AdamW's update up by about 5-15% and a read-only reduce phase by
-// about 20-35% (docs/performance.md has the before/after of the whole generator).
+// limit a streaming pass. Each loop therefore runs in blocks of kPrefetchBlock bytes of its widest
+// role and, before a block, prefetches the lines of every role it touches a fixed distance ahead
+// (prefetchw for roles it writes, so the later store needs no ownership upgrade). In a throwaway
+// harness on a 2-core Xeon VM this sped AdamW's update up by about 5-15% and a read-only reduce
+// phase by about 20-35% (docs/performance.md has the before/after of the whole generator).
 // The distance keeps roughly 8 KiB per core in flight whatever the number of streams (the best
 // distance measured was 2 KiB with 4 streams, 4 KiB with 1); prefetches past the end of a chunk
 // are harmless (they never fault) and usually fetch the next chunk, which the same thread runs.
@@ -71,114 +103,134 @@ int prefetch_distance(size_t streams) {
   return std::clamp(d / 64 * 64, 1024, 4096);
 }
 
-std::string prefetch_block(const PhaseRoles& pr, const std::vector<std::string>& roles, const std::string& indent) {
+std::string prefetch_block(const PhaseRoles& pr, const StorageVariant& var, const std::vector<std::string>& roles,
+                           const std::string& indent) {
   std::ostringstream s;
-  s << indent << "for (int b = 0; b < OF_PREFETCH_BLOCK; b += 64) {\n";
   for (int r : pr.used) {
     bool written = std::find(pr.write.begin(), pr.write.end(), r) != pr.write.end();
-    s << indent << "  __builtin_prefetch((const char*)(" << roles[static_cast<size_t>(r)]
-      << "_p + i) + OF_PREFETCH_DISTANCE + b, " << (written ? 1 : 0) << ");\n";
+    const size_t bytes = dtype_size(var[static_cast<size_t>(r)].dtype);
+    s << indent << "for (int b = 0; b < block * " << bytes << "; b += 64) __builtin_prefetch((const char*)("
+      << roles[static_cast<size_t>(r)] << "_p + i) + OF_PREFETCH_DISTANCE + b, " << (written ? 1 : 0) << ");\n";
   }
-  s << indent << "}\n";
+  return s.str();
+}
+
+// Phase i's loops for storage variant k: of_phase<i>_v<k>_run (restrict-qualified pointer
+// parameters) and of_phase<i>_v<k>_chunk (one chunk of one tensor).
+std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const StorageVariant& var,
+                                    const std::vector<std::string>& roles) {
+  const ElementPhase& ph = plan.phases[i];
+  const PhaseRoles rr = phase_roles(ph);
+  const size_t nred = ph.reductions.size();
+  const size_t nvalues = std::max<size_t>(plan.derived.size() + plan.tensor_derived.size(), 1);
+  size_t widest = 1;
+  for (int r : rr.used) widest = std::max(widest, dtype_size(var[static_cast<size_t>(r)].dtype));
+  const std::string fn = "of_phase" + std::to_string(i) + "_v" + std::to_string(k);
+  std::ostringstream s;
+  // The loops live in <fn>_run, whose tensor pointers are restrict-qualified *parameters*:
+  // GCC honours restrict reliably only there (on locals it still versions every loop with a
+  // run-time overlap check). The derived scalars are a private float copy, which the compiler can
+  // see never aliases tensor memory, so they stay in registers.
+  s << "\n// Phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
+    << "static inline void " << fn << "_run(int len, const float* __restrict u, double* __restrict acc, "
+    << "unsigned long long rng, long long first_elem";
+  for (int r : rr.used)
+    s << ", " << storage_type(var[static_cast<size_t>(r)].dtype) << "* __restrict " << roles[static_cast<size_t>(r)] << "_p";
+  s << ") {\n  const int block = " << kPrefetchBlock / widest << ";  // elements per prefetch block\n"
+    << "  int i = 0;\n  (void)rng; (void)first_elem;\n";
+  if (nred == 0) {
+    s << "  double unused[1] = {0.0};\n"
+      << "  while (i + block <= len) {\n" << prefetch_block(rr, var, roles, "    ")
+      << "    for (const int e = i + block; i < e; ++i) {\n"
+      << element_body(i, rr, var, roles, "i", "unused", "      ") << "    }\n  }\n"
+      << "  for (; i < len; ++i) {\n" << element_body(i, rr, var, roles, "i", "unused", "    ") << "  }\n"
+      << "  (void)acc; (void)unused;\n}\n";
+  } else {
+    // OF_LANES independent accumulators per reduction: element i of the chunk goes to lane
+    // i % OF_LANES, lanes are summed in order 0..OF_LANES-1 at the end. A single running double
+    // sum is a chain of dependent adds the compiler may not reorder (it would change rounding);
+    // fixed lanes give it independent chains to vectorise while the result stays a function of
+    // the chunk's data alone -- never of the thread count. Blocks are whole multiples of
+    // OF_LANES, so blocking does not change which lane an element goes to.
+    auto lanes_step = [&](const std::string& indent) {
+      std::ostringstream l;
+      l << indent << "for (int j = 0; j < OF_LANES; ++j) {\n" << indent << "  double a[" << nred << "];\n";
+      for (size_t q = 0; q < nred; ++q) l << indent << "  a[" << q << "] = lane[" << q << "][j];\n";
+      l << element_body(i, rr, var, roles, "i + j", "a", indent + "  ");
+      for (size_t q = 0; q < nred; ++q) l << indent << "  lane[" << q << "][j] = a[" << q << "];\n";
+      l << indent << "}\n";
+      return l.str();
+    };
+    s << "  static_assert(" << kPrefetchBlock / widest << " % OF_LANES == 0, \"blocks must hold whole lane rows\");\n"
+      << "  double lane[" << nred << "][OF_LANES] = {};\n"
+      << "  while (i + block <= len) {\n" << prefetch_block(rr, var, roles, "    ")
+      << "    for (const int e = i + block; i < e; i += OF_LANES) {\n" << lanes_step("      ") << "    }\n  }\n"
+      << "  for (; i + OF_LANES <= len; i += OF_LANES) {\n" << lanes_step("    ") << "  }\n"
+      << "  for (int j = 0; i < len; ++i, ++j) {\n    double a[" << nred << "];\n";
+    for (size_t q = 0; q < nred; ++q) s << "    a[" << q << "] = lane[" << q << "][j];\n";
+    s << element_body(i, rr, var, roles, "i", "a", "    ");
+    for (size_t q = 0; q < nred; ++q) s << "    lane[" << q << "][j] = a[" << q << "];\n";
+    s << "  }\n";
+    for (size_t q = 0; q < nred; ++q) {
+      bool any = plan.program.graph.node(ph.reductions[q]).op == Op::AnyNonFinite;
+      s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
+        << (any ? "if (lane[" + std::to_string(q) + "][j] != 0.0) total = 1.0;\n"
+                : "total += lane[" + std::to_string(q) + "][j];\n")
+        << "    acc[" << q << "] = total;\n  }\n";
+    }
+    s << "}\n";
+  }
+  s << "\nstatic void " << fn
+    << "_chunk(const OfTensor& t, long long begin, int len, const double* derived_row, const double* tensor_row, "
+       "double step, double* acc) {\n"
+    << "  float u[" << nvalues << "] = {0.0f};\n"
+    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
+  if (plan.layout.tensor_values > 0)
+    s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
+  s << "  (void)tensor_row; (void)step;\n";
+  if (phase_rounds_stochastically(rr, var))
+    s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)step);\n";
+  else
+    s << "  const unsigned long long rng = 0;\n";
+  s << "  " << fn << "_run(len, u, acc, rng, t.rng_offset + begin";
+  for (int r : rr.used) s << ", (" << storage_type(var[static_cast<size_t>(r)].dtype) << "*)t.ptr[" << r << "] + begin";
+  s << ");\n}\n";
   return s.str();
 }
 
 }  // namespace
 
-std::string generate_cpu_source(const Plan& plan) {
+std::string generate_cpu_source(const Plan& plan) { return generate_cpu_source(plan, default_variants(plan)); }
+
+std::string generate_cpu_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
   CPrinter pr(plan, cpu_dialect());
   std::vector<std::string> roles = role_names(plan);
-  // u = [derived values | this tensor's values] (c_printer.h)
-  const size_t nvalues = std::max<size_t>(plan.derived.size() + plan.tensor_derived.size(), 1);
   std::ostringstream s;
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_LANES " << kCpuReduceLanes
-    << "\n#define OF_PREFETCH_BLOCK " << kPrefetchBlock << "\n" << pr.common_source() << abi_source() << kCpuTables;
+    << "\n" << pr.common_source() << abi_source() << kCpuTables;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     const ElementPhase& ph = plan.phases[i];
-    const PhaseRoles rr = phase_roles(ph);
     const size_t nred = ph.reductions.size();
-    // The loops live in of_phase<i>_run, whose tensor pointers are restrict-qualified *parameters*:
-    // GCC honours restrict reliably only there (on locals it still versions every loop with a
-    // run-time overlap check). The derived scalars are a private float copy, which the compiler can
-    // see never aliases tensor memory, so they stay in registers.
-    s << "\n// Phase " << i << " over one chunk of one tensor; S is the storage type.\n"
-      << "#undef OF_PREFETCH_DISTANCE\n#define OF_PREFETCH_DISTANCE " << prefetch_distance(rr.used.size()) << "\n"
-      << "template <class S>\nstatic inline void of_phase" << i
-      << "_run(int len, const float* __restrict u, double* __restrict acc";
-    for (int r : rr.used) s << ", S* __restrict " << roles[static_cast<size_t>(r)] << "_p";
-    s << ") {\n  const int block = OF_PREFETCH_BLOCK / (int)sizeof(S);  // elements per prefetch block\n"
-      << "  int i = 0;\n";
-    if (nred == 0) {
-      s << "  double unused[1] = {0.0};\n"
-        << "  while (i + block <= len) {\n" << prefetch_block(rr, roles, "    ")
-        << "    for (const int e = i + block; i < e; ++i) {\n"
-        << element_body(i, rr, roles, "i", "unused", "      ") << "    }\n  }\n"
-        << "  for (; i < len; ++i) {\n" << element_body(i, rr, roles, "i", "unused", "    ") << "  }\n"
-        << "  (void)acc; (void)unused;\n}\n";
-    } else {
-      // OF_LANES independent accumulators per reduction: element i of the chunk goes to lane
-      // i % OF_LANES, lanes are summed in order 0..OF_LANES-1 at the end. A single running double
-      // sum is a chain of dependent adds the compiler may not reorder (it would change rounding);
-      // fixed lanes give it independent chains to vectorise while the result stays a function of
-      // the chunk's data alone -- never of the thread count. Blocks are whole multiples of
-      // OF_LANES, so blocking does not change which lane an element goes to.
-      auto lanes_step = [&](const std::string& indent) {
-        std::ostringstream l;
-        l << indent << "for (int j = 0; j < OF_LANES; ++j) {\n" << indent << "  double a[" << nred << "];\n";
-        for (size_t k = 0; k < nred; ++k) l << indent << "  a[" << k << "] = lane[" << k << "][j];\n";
-        l << element_body(i, rr, roles, "i + j", "a", indent + "  ");
-        for (size_t k = 0; k < nred; ++k) l << indent << "  lane[" << k << "][j] = a[" << k << "];\n";
-        l << indent << "}\n";
-        return l.str();
-      };
-      s << "  static_assert(OF_PREFETCH_BLOCK / sizeof(S) % OF_LANES == 0, \"blocks must hold whole lane rows\");\n"
-        << "  double lane[" << nred << "][OF_LANES] = {};\n"
-        << "  while (i + block <= len) {\n" << prefetch_block(rr, roles, "    ")
-        << "    for (const int e = i + block; i < e; i += OF_LANES) {\n" << lanes_step("      ") << "    }\n  }\n"
-        << "  for (; i + OF_LANES <= len; i += OF_LANES) {\n" << lanes_step("    ") << "  }\n"
-        << "  for (int j = 0; i < len; ++i, ++j) {\n    double a[" << nred << "];\n";
-      for (size_t k = 0; k < nred; ++k) s << "    a[" << k << "] = lane[" << k << "][j];\n";
-      s << element_body(i, rr, roles, "i", "a", "    ");
-      for (size_t k = 0; k < nred; ++k) s << "    lane[" << k << "][j] = a[" << k << "];\n";
-      s << "  }\n";
-      for (size_t k = 0; k < nred; ++k) {
-        bool any = plan.program.graph.node(ph.reductions[k]).op == Op::AnyNonFinite;
-        s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
-          << (any ? "if (lane[" + std::to_string(k) + "][j] != 0.0) total = 1.0;\n"
-                  : "total += lane[" + std::to_string(k) + "][j];\n")
-          << "    acc[" << k << "] = total;\n  }\n";
-      }
-      s << "}\n";
-    }
-    s << "\ntemplate <class S>\nstatic void of_phase" << i
-      << "_chunk(const OfTensor& t, long long begin, int len, const double* derived_row, int nderived, "
-         "const double* tensor_row, double* acc) {\n"
-      << "  float u[" << nvalues << "] = {0.0f};\n"
-      << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
-    if (plan.layout.tensor_values > 0)
-      s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
-    s << "  (void)nderived; (void)tensor_row;  // nderived is always " << plan.derived.size() << " (the plan's derived slots)\n"
-      << "  of_phase" << i << "_run<S>(len, u, acc";
-    for (int r : rr.used) s << ", (S*)t.ptr[" << r << "] + begin";
-    s << ");\n}\n";
+    s << "\n#undef OF_PREFETCH_DISTANCE\n#define OF_PREFETCH_DISTANCE " << prefetch_distance(phase_roles(ph).used.size()) << "\n";
+    for (size_t k = 0; k < variants.size(); ++k) s << phase_variant_functions(plan, i, k, variants[k], roles);
+    // steps: each group's step count, already advanced for this step by the scalar phase.
     s << "\nextern \"C\" void of_phase" << i
       << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
-         " const double* skip, int derived_per_group, const double* tensor_reductions, int tensor_reductions_per_tensor,"
-         " double* partials, long long num_chunks) {\n"
+         " const double* skip, const double* steps, int derived_per_group, const double* tensor_reductions,"
+         " int tensor_reductions_per_tensor, double* partials, long long num_chunks) {\n"
       << "  for (long long c = first; c < last; ++c) {\n"
       << "    const OfChunk ch = chunks[c];\n    const OfTensor& t = tensors[ch.tensor];\n";
     if (ph.kind == ElementPhase::Kind::Update) s << "    if (skip[t.group] != 0.0) continue;\n";
     s << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
       << "    const double* trow = tensor_reductions + (long long)ch.tensor * tensor_reductions_per_tensor;\n"
       << "    double acc[" << (nred ? nred : 1) << "] = {0};\n"
-      << "    switch (t.dtype) {\n"
-      << "      case 0: of_phase" << i << "_chunk<float>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
-      << "      case 1: of_phase" << i << "_chunk<of_half>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
-      << "      default: of_phase" << i
-      << "_chunk<of_bfloat>(t, ch.begin, ch.length, row, derived_per_group, trow, acc); break;\n"
-      << "    }\n";
+      << "    switch (t.variant) {\n";
+    for (size_t k = 0; k < variants.size(); ++k)
+      s << "      case " << k << ": of_phase" << i << "_v" << k
+        << "_chunk(t, ch.begin, ch.length, row, trow, steps[t.group], acc); break;\n";
+    s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
     for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";
-    s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)tensor_reductions;\n}\n";
+    s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)steps; (void)tensor_reductions; (void)derived;\n}\n";
   }
   return s.str();
 }

@@ -15,10 +15,12 @@
 //      the same count, and the work is a few double operations per group (no second launch).
 //   2. Elements. Blocks walk the chunk list grid-stride. Per chunk: the group's derived values go
 //      to registers as float, then the tensor's values (of_phase<i>_tensor, float64 from the group's
-//      derived values and the tensor's row of tensor_reductions), skipped groups are passed over (update phase), and a chunk loop
-//      specialised per storage dtype runs. Where every role the phase touches sits at the same
-//      offset from a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 halves;
-//      read-only roles through the non-coherent cache), OF_UNROLL_* vectors per role per thread per
+//      derived values and the tensor's row of tensor_reductions), skipped groups are passed over
+//      (update phase), and the chunk loop of the tensor's storage variant (each role's dtype and
+//      rounding, codegen/abi.h) runs. Where a head of elements brings every role the phase touches
+//      to a 16-byte boundary, the body moves 16-byte vectors (4 floats or 8 16-bit values; a
+//      variant mixing sizes moves 8 elements, two vectors of a float32 role; read-only roles
+//      through the non-coherent cache), OF_UNROLL_* vectors per role per thread per
 //      pass with all of a pass's loads issued before any math; elements before the first boundary
 //      and after the last whole vector take a scalar path, as does a chunk whose roles are
 //      misaligned differently. Indexing within a tensor is 64-bit (chunk begin), within a chunk
@@ -59,9 +61,10 @@ __device__ __forceinline__ long long of_steps_offset(int groups) { return of_hyp
 __device__ __forceinline__ long long of_skip_offset(int groups) { return of_steps_offset(groups) + groups; }
 __device__ __forceinline__ long long of_derived_offset(int groups) { return of_skip_offset(groups) + groups; }
 
-// Storage dtypes (tensor table codes): 0 float32, 1 float16, 2 bfloat16. Conversions use the
-// hardware instructions, which round to nearest-even like the prelude's software versions (only
-// NaN payloads may differ); bfloat16 widening is a shift.
+// Storage dtypes (DType codes): 0 float32, 1 float16, 2 bfloat16, 3 int16 (master-weight
+// remainders: integers, stored exactly). Conversions use the hardware instructions, which round to
+// nearest-even like the prelude's software versions (only NaN payloads may differ); bfloat16
+// widening is a shift. of_narrow_sr: stochastic rounding with random bits r (low_precision_code.h).
 template <int DT> struct OfStorage { typedef unsigned short E; };
 template <> struct OfStorage<0> { typedef float E; };
 // (Without __CUDA_ARCH__, i.e. when a test compiles this source as host C++, the prelude's
@@ -75,13 +78,17 @@ template <int DT> __device__ __forceinline__ float of_widen(typename OfStorage<D
 #else
     return of_f16_to_float(x);
 #endif
-  } else {
+  } else if constexpr (DT == 2) {
     return __uint_as_float((unsigned)x << 16);
+  } else {
+    return (float)(short)x;
   }
 }
 template <int DT> __device__ __forceinline__ typename OfStorage<DT>::E of_narrow(float v) {
   if constexpr (DT == 0) {
     return v;
+  } else if constexpr (DT == 3) {
+    return (unsigned short)(short)(int)v;
   } else {
     unsigned short h;
 #ifdef __CUDA_ARCH__
@@ -93,26 +100,38 @@ template <int DT> __device__ __forceinline__ typename OfStorage<DT>::E of_narrow
     return h;
   }
 }
+template <int DT> __device__ __forceinline__ typename OfStorage<DT>::E of_narrow_sr(float v, unsigned r) {
+  static_assert(DT == 1 || DT == 2, "stochastic rounding is for float16/bfloat16");
+  if constexpr (DT == 1) return of_float_to_f16_sr(v, r);
+  else return of_float_to_bf16_sr(v, r);
+}
 template <int DT> __device__ __forceinline__ float of_load1(const typename OfStorage<DT>::E* p) { return of_widen<DT>(*p); }
 template <int DT> __device__ __forceinline__ float of_load1_ro(const typename OfStorage<DT>::E* p) { return of_widen<DT>(__ldg(p)); }
 template <int DT> __device__ __forceinline__ void of_store1(typename OfStorage<DT>::E* p, float v) { *p = of_narrow<DT>(v); }
+template <int DT> __device__ __forceinline__ void of_store1_sr(typename OfStorage<DT>::E* p, float v, unsigned r) { *p = of_narrow_sr<DT>(v, r); }
 
-// 16-byte vectors held as four 32-bit words; lane e of a vector is element e (little-endian).
+// Vectors of a role: its elements held as 16-byte words (uint4), element e at byte e * size (one
+// word holds 4 floats or 8 16-bit values; a variant mixing sizes moves 8 elements per vector, two
+// words for a float32 role). Little-endian lanes.
 __device__ __forceinline__ unsigned of_word(const uint4& w, int k) { return k == 0 ? w.x : k == 1 ? w.y : k == 2 ? w.z : w.w; }
 __device__ __forceinline__ void of_set_word(uint4& w, int k, unsigned v) {
   if (k == 0) w.x = v; else if (k == 1) w.y = v; else if (k == 2) w.z = v; else w.w = v;
 }
-template <int DT> __device__ __forceinline__ float of_lane(const uint4& w, int e) {
-  if constexpr (DT == 0) return __uint_as_float(of_word(w, e));
-  else return of_widen<DT>((unsigned short)(of_word(w, e >> 1) >> (16 * (e & 1))));
+template <int DT> __device__ __forceinline__ float of_lane(const uint4* w, int e) {
+  if constexpr (DT == 0) return __uint_as_float(of_word(w[e >> 2], e & 3));
+  else return of_widen<DT>((unsigned short)(of_word(w[e >> 3], (e & 7) >> 1) >> (16 * (e & 1))));
 }
-template <int DT> __device__ __forceinline__ void of_set_lane(uint4& w, int e, float v) {
-  if constexpr (DT == 0) {
-    of_set_word(w, e, __float_as_uint(v));
-  } else {
-    const unsigned bits = of_narrow<DT>(v), old = of_word(w, e >> 1);
-    of_set_word(w, e >> 1, (e & 1) ? ((old & 0xffffu) | (bits << 16)) : ((old & 0xffff0000u) | bits));
-  }
+template <int DT> __device__ __forceinline__ void of_set_bits(uint4* w, int e, unsigned bits) {
+  uint4& word = w[e >> 3];
+  const unsigned old = of_word(word, (e & 7) >> 1);
+  of_set_word(word, (e & 7) >> 1, (e & 1) ? ((old & 0xffffu) | (bits << 16)) : ((old & 0xffff0000u) | bits));
+}
+template <int DT> __device__ __forceinline__ void of_set_lane(uint4* w, int e, float v) {
+  if constexpr (DT == 0) of_set_word(w[e >> 2], e & 3, __float_as_uint(v));
+  else of_set_bits<DT>(w, e, of_narrow<DT>(v));
+}
+template <int DT> __device__ __forceinline__ void of_set_lane_sr(uint4* w, int e, float v, unsigned r) {
+  of_set_bits<DT>(w, e, of_narrow_sr<DT>(v, r));
 }
 __device__ __forceinline__ uint4 of_load16(const void* p) { return *(const uint4*)p; }
 __device__ __forceinline__ uint4 of_load16_ro(const void* p) { return __ldg((const uint4*)p); }
@@ -199,69 +218,102 @@ std::string group_function(size_t i) {
   return s.str();
 }
 
-std::string chunk_function(const Plan& plan, size_t i) {
+bool writes_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
+  for (int r : pr.writes)
+    if (v[static_cast<size_t>(r)].stochastic) return true;
+  return false;
+}
+
+// Phase i's loop over one chunk of one tensor of storage variant k (concrete types per role).
+std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
   const ElementPhase& ph = plan.phases[i];
   PhaseRoles pr = phase_roles(ph);
   std::vector<std::string> roles = role_names(plan);
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
+  auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
+  auto size = [&](int r) { return static_cast<int>(dtype_size(var[static_cast<size_t>(r)].dtype)); };
+  auto type = [&](int r) { return dt(r) == 0 ? std::string("float") : std::string("unsigned short"); };
   size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   std::ostringstream s;
-  s << "\n// phase " << i << ": one chunk of one tensor, storage dtype DT\n"
-    << "template <int DT>\n__device__ __forceinline__ void of_phase" << i
-    << "_chunk(const OfTensor& t, long long begin, int len, const float* u, double* acc) {\n"
-    << "  typedef typename OfStorage<DT>::E E;\n"
-    << "  constexpr int kVec = 16 / (int)sizeof(E);   // elements per 16-byte vector\n"
-    << "  constexpr int kUnroll = sizeof(E) == 4 ? OF_UNROLL_32 : OF_UNROLL_16;  // vectors per role per thread per pass\n";
+  s << "\n// phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
+    << "__device__ __forceinline__ void of_phase" << i << "_v" << k
+    << "_chunk(const OfTensor& t, long long begin, int len, const float* u, double* acc, unsigned long long rng) {\n";
   if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
-    s << "  (void)t; (void)begin; (void)len; (void)u; (void)acc;\n}\n";
+    s << "  (void)t; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
     return s.str();
   }
-  for (int r : pr.used) s << "  E* __restrict__ " << nm(r) << "_p = (E*)t.ptr[" << r << "] + begin;\n";
-  // Misalignment check: the vector path needs every role at the same offset from 16 bytes.
-  s << "  const unsigned mis = (unsigned)((unsigned long long)" << nm(pr.used[0]) << "_p & 15u);\n"
-    << "  const bool same = true";
-  for (size_t k = 1; k < pr.used.size(); ++k) s << " && (unsigned)((unsigned long long)" << nm(pr.used[k]) << "_p & 15u) == mis";
-  s << ";\n"
-    << "  int head = 0, nvec = 0;\n"
-    << "  if (same && mis % sizeof(E) == 0) {\n"
-    << "    head = (int)(((16u - mis) & 15u) / sizeof(E));\n"
-    << "    if (head > len) head = len;\n"
-    << "    nvec = (len - head) / kVec;\n  }\n"
+  int narrow = pr.used[0];
+  bool all32 = true;
+  for (int r : pr.used) {
+    if (size(r) < size(narrow)) narrow = r;
+    all32 = all32 && size(r) == 4;
+  }
+  const int vec = 16 / size(narrow);  // elements per vector
+  s << "  constexpr int kVec = " << vec << ";   // elements per vector (16 bytes of the narrowest role)\n"
+    << "  constexpr int kUnroll = " << (all32 ? "OF_UNROLL_32" : "OF_UNROLL_16") << ";  // vectors per role per thread per pass\n"
+    << "  (void)rng;\n";
+  for (int r : pr.used) s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)t.ptr[" << r << "] + begin;\n";
+  // The vector path needs a head (elements before it) after which every role is 16-byte aligned.
+  s << "  int head = (int)(((16u - (unsigned)((unsigned long long)" << nm(narrow) << "_p & 15u)) & 15u) / " << size(narrow)
+    << "u);\n  const bool aligned = ((unsigned long long)" << nm(narrow) << "_p % " << size(narrow) << "u) == 0";
+  for (int r : pr.used)
+    if (r != narrow) s << "\n      && (((unsigned long long)" << nm(r) << "_p + (unsigned long long)head * " << size(r) << "u) & 15u) == 0";
+  s << ";\n  int nvec = 0;\n"
+    << "  if (aligned) {\n    if (head > len) head = len;\n    nvec = (len - head) / kVec;\n  } else {\n    head = 0;\n  }\n"
     << "  const int body_end = head + nvec * kVec, scalar_count = head + (len - body_end);\n";
+  auto store1 = [&](int r, const std::string& idx) {
+    std::ostringstream o;
+    if (var[static_cast<size_t>(r)].stochastic)
+      o << "of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "], of_rng_bits(rng, (unsigned long long)(t.rng_offset + begin + "
+        << idx << "), " << r << "))";
+    else
+      o << "of_store1<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "])";
+    return o.str();
+  };
   // Scalar path: the head before the first 16-byte boundary, then the tail after the last vector.
   s << "  for (int j = threadIdx.x; j < scalar_count; j += OF_THREADS) {\n"
     << "    const int e = j < head ? j : body_end + (j - head);\n"
     << "    float v[OF_ROLES];\n";
   for (int r : pr.reads)
-    s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<DT>(" << nm(r) << "_p + e);\n";
+    s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
   s << "    of_phase" << i << "_element(v, u, acc);\n";
-  for (int r : pr.writes) s << "    of_store1<DT>(" << nm(r) << "_p + e, v[" << r << "]);\n";
+  for (int r : pr.writes) s << "    " << store1(r, "e") << ";\n";
   s << "  }\n";
   // Vector body: all loads of a pass first (memory-level parallelism), then math and stores.
+  auto words = [&](int r) { return vec * size(r) / 16; };
   s << "  double acc_u[kUnroll][" << nred << "];\n"
     << "  #pragma unroll\n  for (int k = 0; k < kUnroll; ++k)\n"
     << "    for (int r = 0; r < " << nred << "; ++r) acc_u[k][r] = 0.0;\n"
     << "  for (int base = threadIdx.x; base < nvec; base += kUnroll * OF_THREADS) {\n";
-  for (int r : pr.reads) s << "    uint4 " << nm(r) << "_in[kUnroll];\n";
+  for (int r : pr.reads) s << "    uint4 " << nm(r) << "_in[kUnroll][" << words(r) << "];\n";
   s << "    #pragma unroll\n    for (int k = 0; k < kUnroll; ++k) {\n"
     << "      const int vi = base + k * OF_THREADS;\n"
     << "      if (vi < nvec) {\n";
   for (int r : pr.reads)
-    s << "        " << nm(r) << "_in[k] = of_load16" << (pr.read_only(r) ? "_ro" : "") << "(" << nm(r)
-      << "_p + head + (long long)vi * kVec);\n";
+    for (int w = 0; w < words(r); ++w)
+      s << "        " << nm(r) << "_in[k][" << w << "] = of_load16" << (pr.read_only(r) ? "_ro" : "") << "(" << nm(r)
+        << "_p + head + (long long)vi * kVec + " << w * 16 / size(r) << ");\n";
   s << "      }\n    }\n"
     << "    #pragma unroll\n    for (int k = 0; k < kUnroll; ++k) {\n"
     << "      const int vi = base + k * OF_THREADS;\n"
     << "      if (vi < nvec) {\n";
-  for (int r : pr.writes) s << "        uint4 " << nm(r) << "_out = make_uint4(0u, 0u, 0u, 0u);\n";
+  for (int r : pr.writes) s << "        uint4 " << nm(r) << "_out[" << words(r) << "];\n";
   s << "        #pragma unroll\n        for (int e = 0; e < kVec; ++e) {\n"
     << "          float v[OF_ROLES];\n";
-  for (int r : pr.reads) s << "          v[" << r << "] = of_lane<DT>(" << nm(r) << "_in[k], e);\n";
+  for (int r : pr.reads) s << "          v[" << r << "] = of_lane<" << dt(r) << ">(" << nm(r) << "_in[k], e);\n";
   s << "          of_phase" << i << "_element(v, u, acc_u[k]);\n";
-  for (int r : pr.writes) s << "          of_set_lane<DT>(" << nm(r) << "_out, e, v[" << r << "]);\n";
+  for (int r : pr.writes) {
+    if (var[static_cast<size_t>(r)].stochastic)
+      s << "          of_set_lane_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
+        << "], of_rng_bits(rng, (unsigned long long)(t.rng_offset + begin + head + (long long)vi * kVec + e), " << r << "));\n";
+    else
+      s << "          of_set_lane<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r << "]);\n";
+  }
   s << "        }\n";
   for (int r : pr.writes)
-    s << "        of_store16(" << nm(r) << "_p + head + (long long)vi * kVec, " << nm(r) << "_out);\n";
+    for (int w = 0; w < words(r); ++w)
+      s << "        of_store16(" << nm(r) << "_p + head + (long long)vi * kVec + " << w * 16 / size(r) << ", " << nm(r) << "_out[" << w
+        << "]);\n";
   s << "      }\n    }\n  }\n";
   // Fixed-order merge of the unrolled slots' accumulators.
   if (ph.kind == ElementPhase::Kind::Reduce)
@@ -271,7 +323,7 @@ std::string chunk_function(const Plan& plan, size_t i) {
   return s.str();
 }
 
-std::string element_kernel(const Plan& plan, size_t i) {
+std::string element_kernel(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
   const ElementPhase& ph = plan.phases[i];
   const Graph& g = plan.program.graph;
   bool update = ph.kind == ElementPhase::Kind::Update;
@@ -311,12 +363,17 @@ std::string element_kernel(const Plan& plan, size_t i) {
   if (plan.layout.tensor_values > 0)
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, u + OF_DERIVED);\n";
   s
-    << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n"
-    << "    switch (t.dtype) {\n"
-    << "      case 0: of_phase" << i << "_chunk<0>(t, ch.begin, ch.length, u, acc); break;\n"
-    << "      case 1: of_phase" << i << "_chunk<1>(t, ch.begin, ch.length, u, acc); break;\n"
-    << "      default: of_phase" << i << "_chunk<2>(t, ch.begin, ch.length, u, acc); break;\n"
-    << "    }\n";
+    << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n";
+  bool stochastic = false;
+  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(phase_roles(ph), v);
+  if (stochastic)  // the step being taken: the table's count is committed by the last block, after every chunk
+    s << "    const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)(table[of_steps_offset(groups) + t.group] + 1.0));\n";
+  else
+    s << "    const unsigned long long rng = 0;\n";
+  s << "    switch (t.variant) {\n";
+  for (size_t k = 0; k < variants.size(); ++k)
+    s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, ch.begin, ch.length, u, acc, rng); break;\n";
+  s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) {
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
     s << "    {\n      const double total = of_block_sum(acc[" << k << "], scratch);\n"
@@ -357,7 +414,9 @@ std::string element_kernel(const Plan& plan, size_t i) {
 
 }  // namespace
 
-std::string generate_cuda_source(const Plan& plan) {
+std::string generate_cuda_source(const Plan& plan) { return generate_cuda_source(plan, default_variants(plan)); }
+
+std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
   CPrinter pr(plan, cuda_dialect());
   const ScalarLayout& L = plan.layout;
   std::ostringstream s;
@@ -375,8 +434,11 @@ std::string generate_cuda_source(const Plan& plan) {
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
     << pr.common_source() << abi_source() << kCudaDriverPrelude;
-  for (size_t i = 0; i < plan.phases.size(); ++i)
-    s << group_function(i) << chunk_function(plan, i) << element_kernel(plan, i);
+  for (size_t i = 0; i < plan.phases.size(); ++i) {
+    s << group_function(i);
+    for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k]);
+    s << element_kernel(plan, i, variants);
+  }
   return s.str();
 }
 

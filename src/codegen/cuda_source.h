@@ -7,11 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "codegen/abi.h"
 #include "optfuse/plan.h"
 
 namespace optfuse {
 
+// With the default variants (every role float32, float16 or bfloat16) or the given ones.
 std::string generate_cuda_source(const Plan& plan);
+std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVariant>& variants);
 std::vector<std::string> cuda_kernel_names(const Plan& plan);
 // Threads per block every generated kernel is written for (the deterministic reductions depend on
 // it): the executor launches exactly this many.

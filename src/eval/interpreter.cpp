@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "ir/low_precision.h"
 #include "optfuse/error.h"
 
 namespace optfuse {
@@ -134,6 +135,15 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
+    // Stochastic rounding's stream: the group's step count, already advanced by the scalar phase.
+    const uint64_t rng = update ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp])) : 0;
+    auto store = [&](const Buffer& b, int role, int64_t e, T v) {
+      if (b.stochastic_rounding)
+        lowp::store_element_sr(b.data, b.dtype, e, static_cast<double>(v),
+                               lowp::rng_bits(rng, static_cast<uint64_t>(t.rng_offset + e), role));
+      else
+        store_element(b.data, b.dtype, e, static_cast<double>(v));
+    };
     for (int64_t e = ch.begin; e < ch.begin + ch.length; ++e) {
       for (NodeId id : phase.nodes) {
         const Node& n = g.node(id);
@@ -161,11 +171,9 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
         else if (!std::isfinite(x)) acc[r] = 1.0;
       }
       if (update) {
-        for (int s : phase.writes_states) {
-          const Buffer& b = t.states[static_cast<size_t>(s)];
-          store_element(b.data, b.dtype, e, static_cast<double>(val[static_cast<size_t>(p.state_out[static_cast<size_t>(s)])]));
-        }
-        store_element(t.param.data, t.param.dtype, e, static_cast<double>(val[static_cast<size_t>(p.param_out)]));
+        for (int s : phase.writes_states)
+          store(t.states[static_cast<size_t>(s)], 2 + s, e, val[static_cast<size_t>(p.state_out[static_cast<size_t>(s)])]);
+        store(t.param, 0, e, val[static_cast<size_t>(p.param_out)]);
       }
     }
     for (size_t r = 0; r < phase.reductions.size(); ++r) partials[red_slot[r]][c] = acc[r];

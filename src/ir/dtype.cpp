@@ -11,7 +11,8 @@ DType parse_dtype(const std::string& n) {
   if (n == "float32" || n == "f32" || n == "fp32" || n == "float") return DType::f32;
   if (n == "float16" || n == "f16" || n == "fp16" || n == "half") return DType::f16;
   if (n == "bfloat16" || n == "bf16") return DType::bf16;
-  throw Error("unknown dtype '" + n + "' (expected float32, float16 or bfloat16)");
+  if (n == "int16" || n == "i16") return DType::i16;
+  throw Error("unknown dtype '" + n + "' (expected float32, float16, bfloat16 or int16)");
 }
 
 uint16_t float_to_bf16_bits(float f) {
@@ -71,6 +72,7 @@ double load_element(const void* base, DType t, int64_t i) {
     case DType::f32: return static_cast<const float*>(base)[i];
     case DType::f16: return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+    case DType::i16: return static_cast<const int16_t*>(base)[i];
   }
   return 0;
 }
@@ -81,6 +83,7 @@ void store_element(void* base, DType t, int64_t i, double v) {
     case DType::f32: static_cast<float*>(base)[i] = f; break;
     case DType::f16: static_cast<uint16_t*>(base)[i] = float_to_f16_bits(f); break;
     case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(f); break;
+    case DType::i16: static_cast<int16_t*>(base)[i] = static_cast<int16_t>(std::lrint(std::fmin(std::fmax(v, -32768.0), 32767.0))); break;
   }
 }
 

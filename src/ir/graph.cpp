@@ -1,6 +1,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "ir/low_precision.h"
 #include "optfuse/dtype.h"
 #include "optfuse/error.h"
 #include "optfuse/ir.h"
@@ -21,7 +22,8 @@ constexpr OpInfo kOps[] = {
     {"mul", 2},       {"div", 2},       {"pow", 2},         {"min", 2},       {"max", 2},
     {"lt", 2},        {"le", 2},        {"gt", 2},          {"ge", 2},        {"eq", 2},
     {"ne", 2},        {"and", 2},       {"or", 2},          {"select", 3},    {"lerp", 3},
-    {"fma", 3},       {"sum_squares", 1}, {"any_nonfinite", 1},
+    {"fma", 3},       {"master_from_remainder", 2}, {"remainder_of_master", 1},
+    {"param_of_master", 1},             {"sum_squares", 1}, {"any_nonfinite", 1},
 };
 static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(Op::AnyNonFinite) + 1,
               "kOps must list every Op");
@@ -159,6 +161,9 @@ Expr fma(Expr x, Expr y, Expr z) { return make(Op::Fma, x, y, z); }
 Expr is_finite(Expr x) { return make(Op::IsFinite, x); }
 Expr round_to_bf16(Expr x) { return make(Op::RoundBF16, x); }
 Expr round_to_f16(Expr x) { return make(Op::RoundF16, x); }
+Expr master_from_remainder(Expr param, Expr remainder) { return make(Op::MasterFromRemainder, param, remainder); }
+Expr remainder_of_master(Expr master) { return make(Op::RemainderOfMaster, master); }
+Expr param_of_master(Expr master) { return make(Op::ParamOfMaster, master); }
 Expr reduce(Op op, Expr x, Scope scope) {
   if (!op_is_reduction(op)) throw Error(std::string("reduce: ") + op_name(op) + " is not a reduction");
   Graph& g = same_graph({x});
@@ -207,6 +212,10 @@ T apply_op(Op op, T x, T y, T z) {
     case Op::Select: return x != T(0) ? y : z;
     case Op::Lerp: return std::fabs(z) < T(0.5) ? x + z * (y - x) : y - (y - x) * (T(1) - z);
     case Op::Fma: return std::fma(x, y, z);
+    case Op::MasterFromRemainder:
+      return static_cast<T>(lowp::master_from_remainder(static_cast<float>(x), static_cast<float>(y)));
+    case Op::RemainderOfMaster: return static_cast<T>(lowp::remainder_of_master(static_cast<float>(x)));
+    case Op::ParamOfMaster: return static_cast<T>(lowp::param_of_master(static_cast<float>(x)));
     default:
       throw Error(std::string("IR: apply_op cannot evaluate '") + op_name(op) + "'");
   }

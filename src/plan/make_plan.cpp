@@ -265,7 +265,7 @@ Plan make_plan(Program program) {
   return plan;
 }
 
-Plan make_plan(const Chain& chain) { return make_plan(build_program(chain)); }
+Plan make_plan(const Chain& chain, const Precision& precision) { return make_plan(build_program(chain, precision)); }
 
 size_t Plan::reduction_index(NodeId node) const {
   auto it = std::find(reductions.begin(), reductions.end(), node);

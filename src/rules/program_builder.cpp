@@ -111,9 +111,9 @@ std::vector<int> Program::find_hypers(const std::string& name) const {
   return out;
 }
 
-RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr incoming,
+RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr param, Expr incoming,
                          Expr* param_base)
-    : p_(p), param_base_(param_base), rule_(r), first_state_(first_state), first_hyper_(first_hyper),
+    : p_(p), param_(param), param_base_(param_base), rule_(r), first_state_(first_state), first_hyper_(first_hyper),
       incoming_(incoming) {}
 
 static Expr leaf(Graph& g, Op op, int32_t index = -1) {
@@ -123,7 +123,7 @@ static Expr leaf(Graph& g, Op op, int32_t index = -1) {
   return {&g, g.add(n)};
 }
 
-Expr RuleBuilder::param() { return leaf(p_.graph, Op::Param); }
+Expr RuleBuilder::param() { return param_; }
 Expr RuleBuilder::update() { return incoming_; }
 Expr RuleBuilder::step() { return leaf(p_.graph, Op::Step); }
 Expr RuleBuilder::global(GlobalSlot slot) { return leaf(p_.graph, Op::Global, slot); }
@@ -212,11 +212,47 @@ Expr RuleBuilder::name(Expr e, const std::string& n) {
   return e;
 }
 
-Program build_program(const Chain& chain) {
+const char* master_weights_name(MasterWeights m) {
+  switch (m) {
+    case MasterWeights::none: return "none";
+    case MasterWeights::copy: return "copy";
+    case MasterWeights::remainders: return "remainders";
+  }
+  return "?";
+}
+
+namespace {
+
+// The precision states, after the rules' states, and what the rules see as the parameter.
+struct PrecisionSlots {
+  int master = -1, remainder = -1, compensation = -1;
+};
+
+PrecisionSlots add_precision_states(Program& p, const Precision& prec) {
+  if (prec.kahan && prec.master != MasterWeights::none)
+    throw Error("kahan compensates the rounding of parameters stored without a master copy; with master weights "
+                "(" + std::string(master_weights_name(prec.master)) + ") nothing is rounded away: choose one");
+  if (prec.kahan && !dtype_is_low_precision_float(prec.kahan_dtype))
+    throw Error(std::string("kahan compensation is for float16 or bfloat16 parameters, not ") + dtype_name(prec.kahan_dtype));
+  PrecisionSlots s;
+  auto add = [&](const char* rule, const char* name, bool fixed, DType dtype, bool from_param) {
+    ProgramState st{rule, name, std::string(rule) + "." + name, 0.0, from_param, fixed, dtype};
+    p.states.push_back(st);
+    return static_cast<int>(p.states.size()) - 1;
+  };
+  if (prec.master == MasterWeights::copy) s.master = add("master_weights", "master_param", true, DType::f32, true);
+  if (prec.master == MasterWeights::remainders) s.remainder = add("master_weights", "param_remainder", true, DType::i16, false);
+  if (prec.kahan) s.compensation = add("kahan", "kahan_comp", false, DType::f32, false);
+  return s;
+}
+
+}  // namespace
+
+Program build_program(const Chain& chain, const Precision& precision) {
   if (chain.empty()) throw Error("a chain needs at least one rule");
   Program p;
+  p.precision = precision;
   std::map<std::string, int> uses;
-  std::vector<std::string> qual_prefix;
   for (const Rule& r : chain) {
     int n = ++uses[r.name()];
     std::string prefix = n == 1 ? r.name() : r.name() + "#" + std::to_string(n);
@@ -225,20 +261,30 @@ Program build_program(const Chain& chain) {
     p.chain_text += (p.chain_text.empty() ? "" : ", ") + r.signature();
   }
   p.chain_text = "chain(" + p.chain_text + ")";
+  const PrecisionSlots slots = add_precision_states(p, precision);
+  if (precision.master != MasterWeights::none) p.chain_text += " with master weights (" + std::string(master_weights_name(precision.master)) + ")";
+  if (precision.kahan) p.chain_text += " with kahan compensation (" + std::string(dtype_name(precision.kahan_dtype)) + ")";
   // State outputs default to "unchanged": the slot's own leaf.
   for (size_t i = 0; i < p.states.size(); ++i) {
     p.state_out.push_back(leaf(p.graph, Op::State, static_cast<int32_t>(i)).id);
     p.names.emplace(p.state_out.back(), p.states[i].name);
   }
-  Expr param = leaf(p.graph, Op::Param);
-  p.names.emplace(param.id, "param");
+  Expr stored = leaf(p.graph, Op::Param);  // the parameter as stored
+  p.names.emplace(stored.id, "param");
+  // What the rules see as the parameter: the stored one, or the float32 master.
+  Expr param = stored;
+  if (slots.master >= 0) param = Expr{&p.graph, p.state_out[static_cast<size_t>(slots.master)]};
+  if (slots.remainder >= 0) {
+    param = master_from_remainder(stored, Expr{&p.graph, p.state_out[static_cast<size_t>(slots.remainder)]});
+    p.names.emplace(param.id, "master");
+  }
   Expr param_base = param;  // what the final update is added to (scale_param may decay it)
   Expr incoming = leaf(p.graph, Op::Grad);
   p.names.emplace(incoming.id, "grad");
   int first_state = 0, first_hyper = 0;
   for (const Rule& r : chain) {
     if (!r.update_fn()) throw Error("rule " + r.name() + " has no update function");
-    RuleBuilder b(p, r, first_state, first_hyper, incoming, &param_base);
+    RuleBuilder b(p, r, first_state, first_hyper, param, incoming, &param_base);
     Expr out = r.update_fn()(b);
     if (!out.valid() || out.graph != &p.graph)
       throw Error("rule " + r.name() + " returned no update expression");
@@ -248,8 +294,30 @@ Program build_program(const Chain& chain) {
     first_hyper += static_cast<int>(r.hypers().size());
   }
   Expr pnew = param_base + incoming;
-  p.param_out = pnew.id;
   p.names.emplace(pnew.id, "param_new");
+  p.param_out = pnew.id;
+  if (slots.master >= 0) p.state_out[static_cast<size_t>(slots.master)] = pnew.id;  // stored rounded to nearest
+  if (slots.remainder >= 0) {
+    Expr rem = remainder_of_master(pnew), high = param_of_master(pnew);
+    p.names.emplace(rem.id, "remainder_new");
+    p.names.emplace(high.id, "param_stored");
+    p.state_out[static_cast<size_t>(slots.remainder)] = rem.id;
+    p.param_out = high.id;
+  }
+  if (slots.compensation >= 0) {
+    // Kahan summation of the parameter: y = the update plus what the last store rounded away,
+    // stored = param + y rounded to the parameter's dtype, compensation = y - (stored - param).
+    Expr comp{&p.graph, p.state_out[static_cast<size_t>(slots.compensation)]};
+    Expr y = (pnew - stored) + comp;
+    Expr sum = stored + y;
+    Expr rounded = precision.kahan_dtype == DType::bf16 ? round_to_bf16(sum) : round_to_f16(sum);
+    Expr comp_new = y - (rounded - stored);
+    p.names.emplace(y.id, "kahan_update");
+    p.names.emplace(rounded.id, "param_stored");
+    p.names.emplace(comp_new.id, "compensation_new");
+    p.state_out[static_cast<size_t>(slots.compensation)] = comp_new.id;
+    p.param_out = rounded.id;
+  }
   return p;
 }
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <mutex>
 
+#include "codegen/abi.h"
 #include "codegen/cpu_source.h"
 #include "eval/interpreter.h"
 #include "optfuse/error.h"
@@ -18,7 +19,7 @@ namespace optfuse {
 namespace {
 
 using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long first, long long last,
-                         const double* derived, const double* skip, int derived_per_group,
+                         const double* derived, const double* skip, const double* steps, int derived_per_group,
                          const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                          long long num_chunks);
 
@@ -26,7 +27,7 @@ constexpr int32_t kCpuChunk = 16384;  // elements: small enough to balance threa
 
 class CpuExecutor : public HostExecutor {
  public:
-  explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), kCpuChunk), source_(generate_cpu_source(plan_)) {
+  explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), kCpuChunk), variants_(default_variants(plan_)) {
     std::string why;
     if (!host::find_compiler(&why)) {
       static std::once_flag once;
@@ -34,24 +35,32 @@ class CpuExecutor : public HostExecutor {
         std::fprintf(stderr, "optfuse: no C++ compiler at run time (%s); the CPU backend interprets its plans "
                              "in float32 instead (correct, but much slower)\n", why.c_str());
       });
+      source_ = generate_cpu_source(plan_, variants_);
       status_ = "interpreted in float32 (no compiler: " + why + ")";
       return;
     }
-    host::CompileResult r = host::compile_shared_object(source_);
-    lib_ = std::make_unique<host::SharedLibrary>(r.so_path);
-    for (size_t i = 0; i < plan_.phases.size(); ++i)
-      fns_.push_back(reinterpret_cast<PhaseFn>(lib_->symbol("of_phase" + std::to_string(i))));
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads", r.from_cache ? "cached" : "compiled now",
-                  r.seconds, default_thread_count());
-    status_ = buf;
+    compile();
   }
   std::string source() const override { return source_; }
   std::string status() const override { return status_; }
 
   void set_tensors(const std::vector<TensorRef>& tensors) override {
+    std::vector<StorageVariant> variants = variants_;
+    std::vector<int> index;
+    if (assign_variants(tensors, variants, index) && lib_) {  // a new dtype combination: compile its loops
+      std::vector<StorageVariant> old = variants_;
+      variants_ = variants;
+      try {
+        compile();
+      } catch (...) {
+        variants_ = old;
+        throw;
+      }
+    }
+    variants_ = variants;
     HostExecutor::set_tensors(tensors);
-    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunk_ranges(tensors.size(), chunks_));
+    variant_index_ = index;
+    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunk_ranges(tensors.size(), chunks_), variant_index_);
   }
 
  protected:
@@ -69,9 +78,10 @@ class CpuExecutor : public HostExecutor {
     phase_partials_.assign(ph.reductions.size() * chunks_.size(), 0.0);
     const double* derived = table_.data() + L.derived_offset(groups_);
     const double* skip = table_.data() + L.skip_offset(groups_);
+    const double* steps = table_.data() + L.steps_offset(groups_);
     PhaseFn fn = fns_[index];
     default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
-      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, L.derived_per_group, tensor_reductions_.data(),
+      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, steps, L.derived_per_group, tensor_reductions_.data(),
          L.tensor_reductions, phase_partials_.data(), n);
     });
     for (size_t k = 0; k < ph.reductions.size(); ++k) {
@@ -83,7 +93,26 @@ class CpuExecutor : public HostExecutor {
   }
 
  private:
+  // Generates and compiles the source for variants_ (cached on disk by content).
+  void compile() {
+    std::string source = generate_cpu_source(plan_, variants_);
+    host::CompileResult r = host::compile_shared_object(source);
+    auto lib = std::make_unique<host::SharedLibrary>(r.so_path);
+    std::vector<PhaseFn> fns;
+    for (size_t i = 0; i < plan_.phases.size(); ++i)
+      fns.push_back(reinterpret_cast<PhaseFn>(lib->symbol("of_phase" + std::to_string(i))));
+    source_ = std::move(source);
+    lib_ = std::move(lib);
+    fns_ = std::move(fns);
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads, %zu storage variant(s)",
+                  r.from_cache ? "cached" : "compiled now", r.seconds, default_thread_count(), variants_.size());
+    status_ = buf;
+  }
+
   std::string source_, status_;
+  std::vector<StorageVariant> variants_;  // compiled, in OfTensor::variant order
+  std::vector<int> variant_index_;        // per tensor
   std::unique_ptr<host::SharedLibrary> lib_;
   std::vector<PhaseFn> fns_;
   std::vector<uint64_t> table_words_;

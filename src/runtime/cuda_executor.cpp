@@ -129,9 +129,19 @@ class Uploader {
 class CudaExecutor : public Executor {
  public:
   explicit CudaExecutor(PlanPtr plan)
-      : plan_ptr_(std::move(plan)), plan_(*plan_ptr_), source_(generate_cuda_source(plan_)) {
+      : plan_ptr_(std::move(plan)), plan_(*plan_ptr_), variants_(default_variants(plan_)) {
     threads_ = cuda_block_threads();
     device_ = cuda::current_device();
+    compile();
+    // One completion counter per phase (the last block resets its own), zeroed once.
+    counters_ = cuda::DeviceBuffer(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned));
+    cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
+  }
+
+  // Generates and compiles the kernels for variants_ (NVRTC; cached on disk by content) and loads
+  // them. A module replaced by a recompile stays loaded for the executor's lifetime: kernels
+  // queued from it may still be running.
+  void compile() {
     std::vector<std::string> options = {"--fmad=false"};  // round every op as written: match the CPU
     // Tuning knob for benchmarks: extra -D options (e.g. "-DOF_ELEMS_PER_PASS=16 -DOF_MIN_BLOCKS=1").
     std::string defines;
@@ -143,22 +153,28 @@ class CudaExecutor : public Executor {
         defines += " " + w;
       }
     }
-    cuda::CompileResult r = cuda::compile(source_, "optfuse", device_.arch(), options);
-    module_ = std::make_unique<cuda::Module>(r.cubin);
+    std::string source = generate_cuda_source(plan_, variants_);
+    cuda::CompileResult r = cuda::compile(source, "optfuse", device_.arch(), options);
+    auto module = std::make_unique<cuda::Module>(r.cubin);
+    std::vector<CUfunction> fns;
+    std::vector<int> regs, static_shared;
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
       std::string name = "of_phase" + std::to_string(i);
-      fns_.push_back(module_->function(name));
-      cuda::KernelResources res = module_->resources(name);
-      regs_.push_back(res.registers);
-      static_shared_.push_back(res.shared_bytes);
+      fns.push_back(module->function(name));
+      cuda::KernelResources res = module->resources(name);
+      regs.push_back(res.registers);
+      static_shared.push_back(res.shared_bytes);
     }
-    // One completion counter per phase (the last block resets its own), zeroed once.
-    counters_ = cuda::DeviceBuffer(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned));
-    cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
-    char buf[320];
-    std::snprintf(buf, sizeof buf, "CUDA sm_%d (%s, %d SMs): %s (%.3f s)%s%s", device_.arch(), device_.name.c_str(),
-                  device_.sm_count, r.from_cache ? "cached cubin" : "compiled by NVRTC now", r.seconds,
-                  defines.empty() ? "" : ", tuned:", defines.c_str());
+    if (module_) old_modules_.push_back(std::move(module_));
+    module_ = std::move(module);
+    fns_ = std::move(fns);
+    regs_ = std::move(regs);
+    static_shared_ = std::move(static_shared);
+    source_ = std::move(source);
+    char buf[360];
+    std::snprintf(buf, sizeof buf, "CUDA sm_%d (%s, %d SMs): %s (%.3f s), %zu storage variant(s)%s%s", device_.arch(),
+                  device_.name.c_str(), device_.sm_count, r.from_cache ? "cached cubin" : "compiled by NVRTC now", r.seconds,
+                  variants_.size(), defines.empty() ? "" : ", tuned:", defines.c_str());
     status_ = buf;
   }
 
@@ -215,9 +231,23 @@ class CudaExecutor : public Executor {
   void set_tensors(const std::vector<TensorRef>& tensors) override {
     refuse_while_capturing("changing the tensor set");
     check_alignment(tensors);
+    std::vector<StorageVariant> variants = variants_;
+    std::vector<int> index;
+    if (assign_variants(tensors, variants, index)) {  // a new dtype combination: compile its loops
+      std::vector<StorageVariant> old = variants_;
+      variants_ = variants;
+      try {
+        compile();
+        compute_grid();  // register counts may differ
+      } catch (...) {
+        variants_ = old;
+        throw;
+      }
+    }
+    variant_index_ = index;
     const std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
     ranges_ = chunk_ranges(tensors.size(), chunks);
-    words_ = build_tensor_table(tensors, plan_.num_states(), ranges_);
+    words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
     cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
     cuda::DeviceBuffer partials(plan_.reductions.size() * chunks.size() * sizeof(double));
     cuda::DeviceBuffer tensor_reductions(tensors.size() * static_cast<size_t>(plan_.layout.tensor_reductions) * sizeof(double));
@@ -244,7 +274,7 @@ class CudaExecutor : public Executor {
   void update_pointers(const std::vector<TensorRef>& tensors) override {
     check_alignment(tensors);
     if (tensors.size() != ranges_.size()) return set_tensors(tensors);  // another tensor set: new chunks
-    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), ranges_);
+    std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
     words_ = std::move(words);
     words_dirty_ = true;
   }
@@ -332,7 +362,10 @@ class CudaExecutor : public Executor {
   std::string source_, status_;
   cuda::Device device_;
   int threads_ = 0;
+  std::vector<StorageVariant> variants_;   // compiled, in OfTensor::variant order
+  std::vector<int> variant_index_;         // per tensor
   std::unique_ptr<cuda::Module> module_;
+  std::vector<std::unique_ptr<cuda::Module>> old_modules_;  // replaced by a recompile (see compile())
   std::vector<CUfunction> fns_;
   std::vector<int> regs_, static_shared_;  // per phase
   std::vector<unsigned> grid_;             // per phase, for the current tensor set and group count

@@ -23,8 +23,8 @@ const char* backend_name(Backend b) {
   return "?";
 }
 
-Optimizer::Optimizer(const Chain& chain, Backend backend, int groups)
-    : plan_(std::make_shared<const Plan>(make_plan(chain))), backend_(backend) {
+Optimizer::Optimizer(const Chain& chain, Backend backend, int groups, const Precision& precision)
+    : plan_(std::make_shared<const Plan>(make_plan(chain, precision))), backend_(backend) {
   if (groups < 1) throw Error("an optimizer needs at least one parameter group");
   switch (backend) {
     case Backend::reference: exec_ = make_reference_executor(plan_); break;
@@ -139,31 +139,70 @@ void Optimizer::set_step_count(int group, int64_t steps) {
   exec_->write_step(group, steps);
 }
 
-static void check_buffer(const std::string& what, size_t t, const Buffer& b, const Buffer& param) {
-  std::string where = "tensor " + std::to_string(t) + ": ";
+namespace {
+
+void check_buffer(const std::string& where, const std::string& what, const Buffer& b, const Buffer& param) {
   if (b.numel != param.numel)
     throw Error(where + what + " has " + std::to_string(b.numel) + " elements but the parameter has " +
                 std::to_string(param.numel));
-  if (b.dtype != param.dtype)
-    throw Error(where + what + " is " + dtype_name(b.dtype) + " but the parameter is " + dtype_name(param.dtype));
   if (b.numel > 0 && b.data == nullptr) throw Error(where + what + " has no data pointer");
 }
 
+// The dtype rules of one role: float types everywhere, a fixed dtype where the plan says so;
+// stochastic rounding only on low-precision buffers the step writes.
+void check_dtype(const std::string& where, const std::string& what, const Buffer& b, bool written,
+                 const ProgramState* state) {
+  if (state != nullptr && state->fixed_dtype) {
+    if (b.dtype != state->dtype)
+      throw Error(where + what + " must be " + dtype_name(state->dtype) + ", got " + dtype_name(b.dtype));
+  } else if (b.dtype == DType::i16) {
+    throw Error(where + what + " is int16; only a master-weight remainder state is stored as int16 "
+                "(float32, float16 or bfloat16 expected)");
+  }
+  if (b.stochastic_rounding && !(written && dtype_is_low_precision_float(b.dtype)))
+    throw Error(where + what + ": stochastic rounding applies to float16/bfloat16 buffers the step writes "
+                "(the parameter and states), not to a " + std::string(dtype_name(b.dtype)) + " " +
+                (written ? "buffer" : "gradient"));
+}
+
+void check_precision(const std::string& where, const Precision& prec, const Buffer& param) {
+  if (prec.master == MasterWeights::copy && !dtype_is_low_precision_float(param.dtype))
+    throw Error(where + "master weights keep a float32 copy of float16/bfloat16 parameters; this parameter is " +
+                dtype_name(param.dtype) + " (step it without master weights)");
+  if (prec.master == MasterWeights::remainders && param.dtype != DType::bf16)
+    throw Error(where + "master-weight remainders rebuild a float32 master from a bfloat16 parameter; this "
+                "parameter is " + dtype_name(param.dtype));
+  if (prec.kahan && param.dtype != prec.kahan_dtype)
+    throw Error(where + "the chain's kahan compensation is for " + dtype_name(prec.kahan_dtype) +
+                " parameters; this parameter is " + dtype_name(param.dtype));
+}
+
+}  // namespace
+
 void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
   live();
-  size_t nstates = plan_->program.states.size();
+  const Program& prog = plan_->program;
+  size_t nstates = prog.states.size();
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& r = tensors[t];
-    if (r.param.numel < 0) throw Error("tensor " + std::to_string(t) + ": negative element count");
-    if (r.param.numel > 0 && r.param.data == nullptr) throw Error("tensor " + std::to_string(t) + ": parameter has no data pointer");
-    check_buffer("gradient", t, r.grad, r.param);
+    const std::string where = "tensor " + std::to_string(t) + ": ";
+    if (r.param.numel < 0) throw Error(where + "negative element count");
+    if (r.param.numel > 0 && r.param.data == nullptr) throw Error(where + "parameter has no data pointer");
+    check_dtype(where, "parameter", r.param, true, nullptr);
+    check_buffer(where, "gradient", r.grad, r.param);
+    check_dtype(where, "gradient", r.grad, false, nullptr);
     if (r.states.size() != nstates)
-      throw Error("tensor " + std::to_string(t) + ": " + std::to_string(r.states.size()) +
-                  " state buffers given but the chain has " + std::to_string(nstates));
-    for (size_t s = 0; s < nstates; ++s) check_buffer("state " + plan_->program.states[s].qualified, t, r.states[s], r.param);
+      throw Error(where + std::to_string(r.states.size()) + " state buffers given but the chain has " +
+                  std::to_string(nstates));
+    for (size_t s = 0; s < nstates; ++s) {
+      const std::string what = "state " + prog.states[s].qualified;
+      check_buffer(where, what, r.states[s], r.param);
+      check_dtype(where, what, r.states[s], true, &prog.states[s]);
+    }
+    check_precision(where, prog.precision, r.param);
     if (r.group < 0 || r.group >= groups_)
-      throw Error("tensor " + std::to_string(t) + ": parameter group " + std::to_string(r.group) +
-                  " does not exist (there are " + std::to_string(groups_) + ")");
+      throw Error(where + "parameter group " + std::to_string(r.group) + " does not exist (there are " +
+                  std::to_string(groups_) + ")");
   }
   exec_->set_tensors(tensors);
   tensors_ = tensors;
@@ -197,6 +236,18 @@ std::string Optimizer::backend_status() const { return live().exec_->status(); }
 
 void fill_host_buffer(const Buffer& b, double value) {
   for (int64_t i = 0; i < b.numel; ++i) store_element(b.data, b.dtype, i, value);
+}
+
+void init_host_states(const Plan& plan, const TensorRef& t) {
+  for (size_t s = 0; s < t.states.size() && s < plan.program.states.size(); ++s) {
+    const ProgramState& st = plan.program.states[s];
+    const Buffer& b = t.states[s];
+    if (!st.init_from_param) {
+      fill_host_buffer(b, st.init);
+      continue;
+    }
+    for (int64_t i = 0; i < b.numel; ++i) store_element(b.data, b.dtype, i, load_element(t.param.data, t.param.dtype, i));
+  }
 }
 
 }  // namespace optfuse

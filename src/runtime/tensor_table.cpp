@@ -3,7 +3,7 @@
 namespace optfuse {
 
 std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
-                                         const std::vector<ChunkRange>& ranges) {
+                                         const std::vector<ChunkRange>& ranges, const std::vector<int>& variants) {
   size_t roles = 2 + static_cast<size_t>(num_states);
   std::vector<uint64_t> words;
   words.reserve(tensors.size() * (roles + kTensorTableExtraWords));
@@ -14,8 +14,10 @@ std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, 
     for (int s = 0; s < num_states; ++s) words.push_back(reinterpret_cast<uint64_t>(t.states[static_cast<size_t>(s)].data));
     words.push_back(static_cast<uint64_t>(t.param.numel));
     words.push_back(static_cast<uint64_t>(static_cast<uint32_t>(t.group)) |
-                    (static_cast<uint64_t>(static_cast<uint8_t>(t.param.dtype)) << 32));
+                    (static_cast<uint64_t>(static_cast<uint32_t>(variants.at(i))) << 32));
     words.push_back(static_cast<uint64_t>(ranges.at(i).first) | (static_cast<uint64_t>(ranges[i].count) << 32));
+    words.push_back(t.rng_key);
+    words.push_back(static_cast<uint64_t>(t.rng_offset));
   }
   return words;
 }

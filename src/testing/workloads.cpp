@@ -156,6 +156,7 @@ void fill_host(void* p, int64_t n, DType dtype, bool random, double value, uint6
         case DType::f32: static_cast<float*>(p)[i] = x; break;
         case DType::bf16: static_cast<uint16_t*>(p)[i] = random ? float_to_bf16_bits(x) : c_bf16; break;
         case DType::f16: static_cast<uint16_t*>(p)[i] = random ? float_to_f16_bits(x) : c_f16; break;
+        case DType::i16: static_cast<int16_t*>(p)[i] = 0; break;  // master-weight remainders start at 0
       }
     }
   });

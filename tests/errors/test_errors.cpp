@@ -224,10 +224,17 @@ void bad_sets_change_nothing(Backend backend) {
   };
   EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.grad = {short_grad.data(), 8, DType::f32}; })),
             "tensor 1: gradient has 8 elements but the parameter has 9");
-  EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.grad.dtype = DType::bf16; })),
-            "tensor 1: gradient is bfloat16 but the parameter is float32");
-  EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.states[1] = {half_state.data(), 9, DType::f16}; })),
-            "tensor 1: state scale_by_adam.exp_avg_sq is float16 but the parameter is float32");
+  // Roles may have different float dtypes; int16 is only for master-weight remainders, and
+  // stochastic rounding only for low-precision buffers the step writes.
+  EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.grad.dtype = DType::i16; })),
+            "tensor 1: gradient is int16; only a master-weight remainder state is stored as int16 (float32, float16 "
+            "or bfloat16 expected)");
+  EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.states[1] = {half_state.data(), 9, DType::f16, false}; r.grad.stochastic_rounding = true; })),
+            "tensor 1: gradient: stochastic rounding applies to float16/bfloat16 buffers the step writes (the "
+            "parameter and states), not to a float32 gradient");
+  EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.states[1].stochastic_rounding = true; })),
+            "tensor 1: state scale_by_adam.exp_avg_sq: stochastic rounding applies to float16/bfloat16 buffers the "
+            "step writes (the parameter and states), not to a float32 buffer");
   EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.states[0].numel = 10; })),
             "tensor 1: state scale_by_adam.exp_avg has 10 elements but the parameter has 9");
   EXPECT_EQ(set_tensors_error(opt, with([&](TensorRef& r) { r.states.pop_back(); })),
@@ -306,7 +313,7 @@ TEST(GroupErrors, FailedSetHyperOnASharedNameChangesNeither) {
 
 TEST(GroupErrors, UnknownBackendAndDtype) {
   EXPECT_EQ(error_of([] { parse_backend("gpu"); }), "unknown backend 'gpu' (expected reference, cpu or cuda)");
-  EXPECT_EQ(error_of([] { parse_dtype("fp8"); }), "unknown dtype 'fp8' (expected float32, float16 or bfloat16)");
+  EXPECT_EQ(error_of([] { parse_dtype("fp8"); }), "unknown dtype 'fp8' (expected float32, float16, bfloat16 or int16)");
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -14,6 +14,12 @@ Subclasses describe how torch's group options map onto optfuse chains:
                        the engine binds so the kernel reads it at every step)
   _sig_keys         -> group keys whose change must be noticed (hyperparameters and structure)
 
+Mixed precision (every subclass; constructor keywords and param_group keys, see _PRECISION):
+  master_weights=False|True|"remainders", state_dtype=None|torch.float32|torch.bfloat16|torch.float16,
+  stochastic_rounding=False, kahan=False. They choose the chain's precision options (master copy,
+  remainders, Kahan compensation: extra state slots the core adds) and each role's dtype; a group's
+  parameters are bucketed by them and by their dtype, so one model may mix float32 and bfloat16 groups.
+
 CUDA graphs: a captured step reads every hyperparameter from device memory at each replay, so a
 capture is refused while some hyperparameter is a Python number (its capture-time value would be
 replayed for ever, whatever a scheduler sets later): give them as CUDA tensors.
@@ -29,6 +35,11 @@ from .. import _core
 from ._engine import Engine, dtype_code
 
 OptfuseError = _core.OptfuseError
+
+# Mixed-precision options of every optfuse.torch optimizer (constructor keywords and param_group
+# keys) and their defaults: the defaults step every role in the parameter's dtype, as torch does.
+_PRECISION = {"master_weights": False, "state_dtype": None, "stochastic_rounding": False, "kahan": False}
+_LOW = (torch.float16, torch.bfloat16)
 
 
 def _scalar_dtype():
@@ -79,8 +90,20 @@ class FusedOptimizer(torch.optim.Optimizer):
     _skips_only_on_found_inf = True    # the chain skips a step only when found_inf says so
     _sig_keys = ("lr",)
 
+    def __init_subclass__(cls, **kw):
+        # Every subclass takes the mixed-precision keywords without repeating them in its
+        # signature: they are taken out here and become defaults of every param group.
+        super().__init_subclass__(**kw)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _taking_precision_options(cls.__dict__["__init__"])
+
     def __init__(self, params, defaults):
         self._init_private()
+        # Only options given become defaults (and param_group keys): without them, state dicts are
+        # exactly torch's.
+        defaults = dict(defaults)
+        for k, v in self.__dict__.get("_precision_defaults", {}).items():
+            defaults.setdefault(k, v)
         super().__init__(params, defaults)
 
     def _init_private(self):
@@ -96,9 +119,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._on_cuda = False
         keys = self._sig_keys
         if len(keys) > 1:
-            self._sig_get = operator.itemgetter(*keys)
+            get = operator.itemgetter(*keys)
         else:
-            self._sig_get = (lambda g, k=keys[0]: (g[k],)) if keys else (lambda g: ())
+            get = (lambda g, k=keys[0]: (g[k],)) if keys else (lambda g: ())
+        # A precision option changing (a group key, present only where given) rebuilds too.
+        self._sig_get = lambda g: (*get(g), *(g.get(k) for k in _PRECISION))
 
     def __setstate__(self, state):
         # torch pickles only defaults, state and param_groups; after unpickling the tables are rebuilt
@@ -107,6 +132,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._init_private()
         else:
             self._of_dirty = True
+        self._fill_precision_keys()
+
+    def _fill_precision_keys(self):
+        """Groups from a state dict without this optimizer's mixed-precision options (torch's, or
+        older) get the constructor's values."""
+        for g in self.param_groups:
+            for k in _PRECISION:
+                if k in self.defaults:
+                    g.setdefault(k, self.defaults[k])
 
     # --- subclass interface (see module docstring)
     def _structure(self, group):
@@ -138,6 +172,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if dtype_code(p) is None:
                 raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
                                    f"{p.dtype} (shape {tuple(p.shape)})")
+        _check_precision_options(type(self).__name__, group)
         if group.get("differentiable", False):
             raise OptfuseError(f"{type(self).__name__}: differentiable=True is not supported (optfuse steps "
                                "parameters in place, outside autograd)")
@@ -149,6 +184,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        self._fill_precision_keys()
         for e in self._engines.values():
             e.params, e.groups, e.group_of, e.indices = [], [], [], []
         self._steps = {}  # re-read from the loaded state
@@ -218,7 +254,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if self._tensor_hypers:
                 sig = _sig_key(sig)
             if sig != self._sigs[i]:
-                if self._structure(g) != self._keys[i] or not self._features(g) <= self._engine_features(i):
+                if (self._structure(g) != self._keys[i] or not self._features(g) <= self._engine_features(i)
+                        or _precision_of(g) != self._precisions[i]):
                     return False
                 hypers = self._hypers(g)
                 for e in self._engines.values():
@@ -257,6 +294,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sync_steps()
         groups = self.param_groups
         self._keys = [self._structure(g) for g in groups]
+        self._precisions = [_precision_of(g) for g in groups]
         self._features_by_key = {}
         for k, g in zip(self._keys, groups):
             self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(g)
@@ -276,16 +314,17 @@ class FusedOptimizer(torch.optim.Optimizer):
                         raise OptfuseError(f"{type(self).__name__}: parameter of shape {tuple(p.shape)} (group {tg}) "
                                            f"overlaps itself or has gaps (strides {p.stride()}); optfuse needs "
                                            "dense parameters")
-                    buckets.setdefault((self._keys[tg], p.device), []).append((p, grad, tg, w))
+                    storage = _chain_precision(type(self).__name__, self._precisions[tg], p, tg)
+                    buckets.setdefault((self._keys[tg], p.device, storage), []).append((p, grad, tg, w))
                 w += 1
         engines, self._copies = {}, []
-        for (key, device), items in buckets.items():
+        for (key, device, storage), items in buckets.items():
             feats = self._features_by_key[key]
             chain = _with_unscale(self._make_chain(key, feats, [g for k, g in zip(self._keys, groups) if k == key]))
             text = _core.chain_text(chain)
-            old = self._engines.get((key, device))
+            old = self._engines.get((key, device, storage))
             engine = (old if old is not None and old.chain_text == text
-                      else Engine(chain, device, self._skips_only_on_found_inf))
+                      else Engine(chain, device, self._skips_only_on_found_inf, *storage))
             engine.chain_text = text
             entries = []
             for p, grad, tg, w in items:
@@ -294,30 +333,40 @@ class FusedOptimizer(torch.optim.Optimizer):
                 st = self.state[p] if (engine.state_names or self._step_in_state) else self.state.get(p, {})
                 step = self._adjust_step(st, self._step_of(p), engine)
                 self._steps[p] = step
-                states = self._states_for(p, st, engine)
-                entries.append((p, self._grad_for(p, grad), states, tg, step, w))
+                prec = self._precisions[tg]
+                states = self._states_for(p, st, engine, prec)
+                # Stochastic rounding: the parameter's stores unless a master copy holds its value.
+                stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
+                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, w + 1))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
-            engines[(key, device)] = engine
+            engines[(key, device, storage)] = engine
         self._engines = engines
         sigs = [self._sig_get(g) for g in groups]
         self._tensor_hypers = any(torch.is_tensor(x) for s in sigs for v in s
                                   for x in (v if isinstance(v, (tuple, list)) else (v,)))
         self._sigs = [_sig_key(s) if self._tensor_hypers else s for s in sigs]
-        self._on_cuda = any(device.type == "cuda" for _, device in engines)
+        self._on_cuda = any(device.type == "cuda" for _, device, _ in engines)
         self._of_dirty = False
 
-    def _states_for(self, p, st, engine):
+    def _states_for(self, p, st, engine, prec):
         if self._step_in_state and "step" not in st:
             st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
         out = []
-        for name, init in zip(engine.state_names, engine.state_inits):
+        for name, init, (from_param, fixed) in zip(engine.state_names, engine.state_inits, engine.state_storage):
+            dtype = fixed or _state_dtype(prec, p, name)
             t = st.get(name)
             if t is None:
-                t = torch.full_like(p, init, memory_format=torch.preserve_format)
-            elif t.dtype != p.dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride():
-                fixed = torch.empty_like(p, memory_format=torch.preserve_format)
-                fixed.copy_(t)
-                t = fixed
+                t = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                if from_param:
+                    t.copy_(p)  # a master copy starts as the parameter
+                else:
+                    t.fill_(init)
+            elif t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride():
+                # A state of another dtype or layout (a torch state dict, a changed state_dtype):
+                # converted once into the layout and dtype the kernel steps.
+                converted = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                converted.copy_(t)
+                t = converted
             st[name] = t
             out.append(t)
         return out
@@ -333,6 +382,77 @@ class FusedOptimizer(torch.optim.Optimizer):
 
 
 _step_with_hooks = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step_impl)
+
+
+class _Precision(tuple):
+    """A group's mixed-precision options, normalised: (master_weights, state_dtype, stochastic_rounding, kahan)."""
+    master_weights = property(operator.itemgetter(0))
+    state_dtype = property(operator.itemgetter(1))
+    stochastic_rounding = property(operator.itemgetter(2))
+    kahan = property(operator.itemgetter(3))
+
+
+def _precision_of(g):
+    mw = g.get("master_weights", False)
+    master = "remainders" if mw == "remainders" else ("copy" if mw else "none")
+    return _Precision((master, g.get("state_dtype"), bool(g.get("stochastic_rounding", False)),
+                       bool(g.get("kahan", False))))
+
+
+def _check_precision_options(cls_name, g):
+    mw = g.get("master_weights", False)
+    if not (mw is True or mw is False or mw == "remainders"):
+        raise OptfuseError(f"{cls_name}: master_weights must be False, True or 'remainders', got {mw!r}")
+    sd = g.get("state_dtype")
+    if sd is not None and sd not in (torch.float32, torch.bfloat16, torch.float16):
+        raise OptfuseError(f"{cls_name}: state_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
+                           f"got {sd!r}")
+    for k in ("stochastic_rounding", "kahan"):
+        if not isinstance(g.get(k, False), bool):
+            raise OptfuseError(f"{cls_name}: {k} must be True or False, got {g.get(k)!r}")
+    if mw and g.get("kahan", False):
+        raise OptfuseError(f"{cls_name}: kahan=True compensates the rounding of parameters stored without a master "
+                           "copy; with master_weights nothing is rounded away: choose one")
+    if g.get("kahan", False) and g.get("stochastic_rounding", False):
+        raise OptfuseError(f"{cls_name}: kahan=True and stochastic_rounding=True are two answers to the same rounding "
+                           "of the parameter: choose one")
+
+
+def _chain_precision(cls_name, prec, p, tg):
+    """(master weights, kahan dtype name or None) of the chain stepping parameter p (its engine key)."""
+    if prec.master_weights != "none" or prec.kahan:
+        what = "master_weights" if prec.master_weights != "none" else "kahan"
+        if p.dtype not in _LOW:
+            raise OptfuseError(f"{cls_name}: {what} is for float16/bfloat16 parameters, but group {tg} has a {p.dtype} "
+                               f"parameter of shape {tuple(p.shape)}; put float32 parameters in a param group with "
+                               f"{what}=False")
+        if prec.master_weights == "remainders" and p.dtype != torch.bfloat16:
+            raise OptfuseError(f"{cls_name}: master_weights='remainders' rebuilds a float32 master from a bfloat16 "
+                               f"parameter; group {tg} has a {p.dtype} parameter of shape {tuple(p.shape)} "
+                               "(use master_weights=True)")
+    kahan = str(p.dtype).replace("torch.", "") if prec.kahan else None
+    return (prec.master_weights, kahan)
+
+
+def _state_dtype(prec, p, name):
+    """The dtype of a rule state: state_dtype, else float32 beside a master copy, else the parameter's."""
+    if name == "kahan_comp":
+        return p.dtype
+    if prec.state_dtype is not None:
+        return prec.state_dtype
+    return torch.float32 if prec.master_weights != "none" else p.dtype
+
+
+def _taking_precision_options(init):
+    import functools
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in _PRECISION}
+        if given or "_precision_defaults" not in self.__dict__:
+            self.__dict__["_precision_defaults"] = given
+        init(self, *args, **kwargs)
+    return wrapper
 
 
 def _with_unscale(chain):

@@ -18,12 +18,15 @@ import torch
 
 from .. import _core
 
-# optfuse DType codes (include/optfuse/dtype.h)
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3}
+_FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int16": torch.int16}
 
 
 def dtype_code(t):
-    return _DTYPE_CODES.get(t.dtype)
+    """The optfuse code of a parameter's dtype, None if optfuse cannot step it."""
+    return _FLOAT_CODES.get(t.dtype)
 
 
 def current_stream(device):
@@ -37,7 +40,7 @@ def current_stream(device):
 class Engine:
     """A core optimizer for one chain on one device, and the tensor table it steps."""
 
-    def __init__(self, chain, device, skips_only_on_found_inf=True):
+    def __init__(self, chain, device, skips_only_on_found_inf=True, master_weights="none", kahan=None):
         self.device = device
         # False for chains that may skip a step for other reasons (skip_if_nonfinite, user rules):
         # their step counts are always read back from the device.
@@ -45,9 +48,12 @@ class Engine:
         self.captured = False
         self.backend = "cuda" if device.type == "cuda" else "cpu"
         with _on_device(device):
-            self.core = _core.Optimizer(chain, self.backend, 1)
+            self.core = _core.Optimizer(chain, self.backend, 1, master_weights=master_weights, kahan=kahan)
         self.state_names = list(self.core.state_names)
         self.state_inits = [init for _, _, init in self.core.state_specs]
+        # per state: (starts as a copy of the parameter, its fixed torch dtype or None)
+        self.state_storage = [(from_param, _DTYPE_NAMES[fixed] if fixed else None)
+                              for from_param, fixed in self.core.state_storage]
         self.hyper_names = set(self.core.hyper_short_names) | set(self.core.hyper_names)
         self.params = []    # parameters in table order
         self.indices = []   # their slots in the optimizer's GradWatch
@@ -60,11 +66,13 @@ class Engine:
         self.taken = 0        # steps since then
 
     def build(self, entries, hypers_of_torch_group):
-        """entries: (param, grad, states, torch group index, step, watch index) per parameter that
-        steps; grad and states are tensors of the parameter's layout, already checked."""
+        """entries: (param, grad, states, torch group index, step, watch index, stochastic, rng key) per
+        parameter that steps; grad and states are tensors of the parameter's layout (each its own dtype),
+        already checked; stochastic: (parameter, states) whether their float16/bfloat16 stores round
+        stochastically, with the random stream rng key."""
         keys = {}
         self.groups, self.group_of, self.params, self.indices = [], [], [], []
-        for p, _, _, tg, step, _ in entries:
+        for p, _, _, tg, step, _, _, _ in entries:
             key = (tg, step)
             if key not in keys:
                 keys[key] = len(self.groups)
@@ -83,8 +91,8 @@ class Engine:
         for gi, (tg, step) in enumerate(self.groups):
             self.core.set_step_count(gi, step)
             self._push(gi, hypers_of_torch_group(tg))
-        ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups = [], [], [], [], [], []
-        for p, g, states, tg, step, widx in entries:
+        ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys = [], [], [], [], [], [], [], []
+        for p, g, states, tg, step, widx, stochastic, rng_key in entries:
             gi = keys[(tg, step)]
             self.params.append(p)
             self.indices.append(widx)
@@ -93,11 +101,15 @@ class Engine:
             ptrs_g.append(g.data_ptr())
             ptrs_s.extend(s.data_ptr() for s in states)
             numels.append(p.numel())
-            dtypes.append(_DTYPE_CODES[p.dtype])
+            roles = [p, g] + list(states)
+            dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)
+            rounding.extend(k != 1 and stochastic[min(k, 1)] and t.dtype in (torch.float16, torch.bfloat16)
+                            for k, t in enumerate(roles))
+            rng_keys.append(rng_key)
             groups.append(gi)
         device_id = self.device.index if self.device.type == "cuda" else -1
         self.core._set_tensors_raw(ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups,
-                                   -1 if device_id is None else device_id, self.indices)
+                                   -1 if device_id is None else device_id, self.indices, rounding, rng_keys, [])
 
     def _push(self, gi, hypers):
         done = self.pushed.setdefault(gi, {})

@@ -42,10 +42,10 @@ class Fused(FusedOptimizer):
     def _hypers(self, g):
         return {qual: g[name] for name, qual in self._names.items()}
 
-    def _states_for(self, p, st, engine):
+    def _states_for(self, p, st, engine, prec):
         # the engine lists short names; rename to this chain's unique keys for the state dict
         engine.state_names = [self._state_key.get(q, s) for s, q, _ in engine.core.state_specs]
-        return super()._states_for(p, st, engine)
+        return super()._states_for(p, st, engine, prec)
 
 
 def _flatten(chain):

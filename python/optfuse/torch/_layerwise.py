@@ -72,7 +72,7 @@ class Lamb(FusedOptimizer):
                 for p in g["params"]:
                     self._steps.setdefault(p, int(_plain(g["step"])))
         super()._rebuild()
-        devices = {device for _, device in self._engines}
+        devices = {device for _, device, _ in self._engines}
         if self.defaults["max_grad_norm"] is not None and len(devices) > 1:
             raise OptfuseError(f"Lamb: parameters on several devices ({sorted(map(str, devices))}) with max_grad_norm "
                                "set: the global gradient norm would be computed per device. Put the parameters on "

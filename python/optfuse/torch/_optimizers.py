@@ -507,14 +507,14 @@ class ASGD(_OptionalWeightDecay):
             cache = self.__dict__["_asgd_group_of"] = {id(q): g for g in self.param_groups for q in g["params"]}
         return cache[id(p)]
 
-    def _states_for(self, p, st, engine):
+    def _states_for(self, p, st, engine, prec):
         if "eta" not in st:  # torch's order and initial values: step 0, eta = lr, mu = 1, ax = 0
             if "step" not in st:
                 st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
             lr = _plain(self._group_of(p)["lr"])
             st["eta"] = torch.as_tensor(lr, device=p.device, dtype=_scalar_dtype()).clone().detach()
             st["mu"] = torch.ones((), device=p.device, dtype=_scalar_dtype())
-        return super()._states_for(p, st, engine)
+        return super()._states_for(p, st, engine, prec)
 
     def _sync_steps(self, write_state=False):
         # state_dict() calls this with write_state=True: eta and mu are written with step, as torch

@@ -1,0 +1,82 @@
+// Low-precision storage helpers written ONCE, as a macro, so that the same text is both compiled
+// into the library (src/ir/low_precision.cpp: the reference evaluator and host code) and printed
+// into every generated kernel's prelude (src/codegen/low_precision_source.cpp stringifies it).
+// Stochastic rounding and master-weight remainders must agree bit for bit between the reference
+// evaluator, the CPU and the CUDA backends; one definition makes that true by construction.
+//
+// Rules for the code below (it is a macro): C comments only, no preprocessor lines, and only
+// the prelude's helpers of_f2u, of_u2f, of_float_to_bf16, of_float_to_f16, of_f16_to_float.
+// OF_FN is the dialect's function qualifier (inline on the host, __device__ on CUDA).
+//
+// Stochastic rounding. The random bits of one store are a counter-based hash (the splitmix64
+// finaliser) of (tensor key, element index, step, role): no generator state, the same bits on
+// every backend, for any thread, block or chunk count, and for any cut of a tensor into shards
+// (an element's index is its index in the whole tensor: rng_offset + position).
+//   of_rng_base(key, step)      once per chunk: the tensor's stream at this step
+//   of_rng_bits(base, e, role)  32 random bits for element e of role `role`
+// bfloat16: add 16 random bits below the kept 16, then truncate: rounds up with probability
+// (dropped bits) / 2^16, so E[result] = x exactly (unbiased). float16: the two neighbours of x,
+// the upper one with probability (x - lo) / (hi - lo), from 24 random bits. Non-finite values,
+// and values a float16 cannot bracket (beyond its largest finite), round to nearest.
+//
+// Master-weight remainders (Megatron's store_param_remainders): an fp32 master m is kept as its
+// bfloat16 parameter p = the upper 16 bits of m, rounded to nearest (ties away from zero: the
+// low half >= 0x8000 rounds the magnitude up), and the int16 remainder r = the low 16 bits of m
+// read as a signed number. m is rebuilt exactly: upper = bits(p) >> 16, minus one where r < 0.
+// NaN and infinity keep their upper half (a NaN's payload is not preserved).
+#pragma once
+
+#define OF_LOW_PRECISION_CODE                                                                      \
+  OF_FN unsigned long long of_mix64(unsigned long long z) {                                        \
+    z ^= z >> 30;                                                                                  \
+    z *= 0xbf58476d1ce4e5b9ull;                                                                    \
+    z ^= z >> 27;                                                                                  \
+    z *= 0x94d049bb133111ebull;                                                                    \
+    return z ^ (z >> 31);                                                                          \
+  }                                                                                                \
+  OF_FN unsigned long long of_rng_base(unsigned long long key, unsigned long long step) {          \
+    return of_mix64(key ^ of_mix64(step + 0x9e3779b97f4a7c15ull));                                 \
+  }                                                                                                \
+  OF_FN unsigned of_rng_bits(unsigned long long base, unsigned long long element, int role) {      \
+    return (unsigned)(of_mix64(base + element * 0x9e3779b97f4a7c15ull +                            \
+                               (unsigned long long)role * 0xd1b54a32d192ed03ull) >> 32);            \
+  }                                                                                                \
+  OF_FN unsigned short of_float_to_bf16_sr(float f, unsigned r) {                                  \
+    unsigned u = of_f2u(f);                                                                        \
+    if ((u & 0x7f800000u) == 0x7f800000u) return of_float_to_bf16(f); /* inf, NaN */              \
+    u += r & 0xffffu; /* a carry rounds the magnitude up (past the largest finite: inf) */       \
+    return (unsigned short)(u >> 16);                                                              \
+  }                                                                                                \
+  OF_FN unsigned short of_float_to_f16_sr(float f, unsigned r) {                                   \
+    unsigned short n = of_float_to_f16(f);                                                         \
+    float fn = of_f16_to_float(n);                                                                 \
+    if (fn == f || f != f || (n & 0x7c00u) == 0x7c00u) return n; /* exact, NaN, overflow */       \
+    /* the neighbour of n on the other side of f: one step of the magnitude (sign-magnitude) */   \
+    unsigned short m = (unsigned short)(((fn < 0.0f ? -fn : fn) > (f < 0.0f ? -f : f)) ? n - 1 : n + 1); \
+    if ((m & 0x7c00u) == 0x7c00u) return n;                                                        \
+    float fm = of_f16_to_float(m);                                                                 \
+    float lo = fn < fm ? fn : fm, hi = fn < fm ? fm : fn;                                          \
+    float p = (f - lo) / (hi - lo); /* exact operands: f and lo are within a factor of 2 */      \
+    float u = (float)(r >> 8) * 5.9604644775390625e-8f; /* uniform in [0, 1), 24 bits */           \
+    float pick = u < p ? hi : lo;                                                                  \
+    return pick == fn ? n : m;                                                                     \
+  }                                                                                                \
+  OF_FN float of_master_from_remainder(float param, float remainder) {                             \
+    int r = (int)remainder;                                                                        \
+    unsigned upper = of_f2u(param) >> 16;                                                          \
+    if (r < 0) upper -= 1u;                                                                        \
+    return of_u2f((upper << 16) | ((unsigned)r & 0xffffu));                                        \
+  }                                                                                                \
+  OF_FN float of_remainder_of_master(float master) {                                               \
+    unsigned low = of_f2u(master) & 0xffffu;                                                       \
+    return (float)(low >= 0x8000u ? (int)low - 0x10000 : (int)low);                                \
+  }                                                                                                \
+  OF_FN float of_param_of_master(float master) {                                                   \
+    unsigned u = of_f2u(master), upper = u >> 16;                                                  \
+    if ((u & 0x7f800000u) == 0x7f800000u) {                                                        \
+      if (u & 0x7fffffu) upper |= 0x40u; /* NaN stays NaN */                                       \
+    } else if (u & 0x8000u) {                                                                      \
+      upper += 1u;                                                                                 \
+    }                                                                                              \
+    return of_u2f(upper << 16);                                                                    \
+  }
