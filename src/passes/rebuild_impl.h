@@ -10,6 +10,7 @@ Program rebuild(const Program& in, Fn rewrite) {
   out.chain_text = in.chain_text;
   out.states = in.states;
   out.hypers = in.hypers;
+  out.precision = in.precision;
   std::vector<NodeId> map(in.graph.size(), kNoNode);
   for (size_t i = 0; i < in.graph.size(); ++i) {
     Node n = in.graph.node(static_cast<NodeId>(i));

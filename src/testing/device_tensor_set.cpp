@@ -5,14 +5,15 @@
 namespace optfuse::testing {
 
 DeviceTensorSet::DeviceTensorSet(HostTensorSet& host, CUstream stream, const std::vector<int>& role_offsets)
-    : stream_(stream), offsets_(role_offsets), elem_size_(dtype_size(host.dtype())) {
+    : stream_(stream), offsets_(role_offsets) {
   offsets_.resize(host.num_roles(), 0);
+  for (size_t r = 0; r < host.num_roles(); ++r) elem_size_.push_back(dtype_size(host.dtype(r)));
   std::vector<TensorRef> h = host.refs();
   for (size_t t = 0; t < h.size(); ++t) {
     std::vector<cuda::DeviceBuffer> b;
     for (size_t r = 0; r < host.num_roles(); ++r) {
       if (offsets_[r] < 0) throw Error("DeviceTensorSet: negative role offset");
-      b.emplace_back(host.bytes(t, r).size() + static_cast<size_t>(offsets_[r]) * elem_size_);
+      b.emplace_back(host.bytes(t, r).size() + static_cast<size_t>(offsets_[r]) * elem_size_[r]);
     }
     bufs_.push_back(std::move(b));
     TensorRef ref = h[t];
@@ -27,7 +28,7 @@ DeviceTensorSet::DeviceTensorSet(HostTensorSet& host, CUstream stream, const std
 void* DeviceTensorSet::data(size_t tensor, size_t role) const {
   const cuda::DeviceBuffer& b = bufs_.at(tensor).at(role);
   if (b.ptr() == 0) return nullptr;  // an empty tensor: no allocation
-  return reinterpret_cast<void*>(b.ptr() + static_cast<CUdeviceptr>(offsets_[role]) * elem_size_);
+  return reinterpret_cast<void*>(b.ptr() + static_cast<CUdeviceptr>(offsets_[role]) * elem_size_[role]);
 }
 
 void DeviceTensorSet::upload_role(HostTensorSet& host, size_t role) {

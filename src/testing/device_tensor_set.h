@@ -30,7 +30,7 @@ class DeviceTensorSet {
   std::vector<int> offsets_;
   std::vector<std::vector<cuda::DeviceBuffer>> bufs_;  // [tensor][role]
   std::vector<TensorRef> refs_;
-  size_t elem_size_ = 4;
+  std::vector<size_t> elem_size_;  // per role
 };
 
 }  // namespace optfuse::testing

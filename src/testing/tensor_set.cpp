@@ -4,20 +4,41 @@
 #include <cmath>
 #include <random>
 
+#include "optfuse/error.h"
+
 namespace optfuse::testing {
 
+namespace {
+
+StorageVariant uniform_storage(const Plan& plan, DType dtype) {
+  StorageVariant v{{dtype, false}, {dtype, false}};
+  for (const ProgramState& s : plan.program.states) v.push_back({s.fixed_dtype ? s.dtype : dtype, false});
+  return v;
+}
+
+}  // namespace
+
 HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, DType dtype, uint64_t seed)
-    : specs_(specs), dtype_(dtype) {
+    : HostTensorSet(plan, specs, uniform_storage(plan, dtype), seed) {}
+
+HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, const StorageVariant& storage,
+                             uint64_t seed)
+    : specs_(specs), storage_(storage) {
   size_t roles = 2 + plan.program.states.size();
+  if (storage.size() != roles) throw Error("HostTensorSet: the storage variant has the wrong number of roles");
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
   for (const TensorSpec& s : specs) {
     std::vector<std::vector<uint8_t>> t(roles);
     for (size_t r = 0; r < roles; ++r) {
-      t[r].resize(static_cast<size_t>(s.numel) * dtype_size(dtype));
-      double init = r >= 2 ? plan.program.states[r - 2].init : 0.0;
-      for (int64_t i = 0; i < s.numel; ++i)
-        store_element(t[r].data(), dtype, i, r < 2 ? normal(rng) : init);
+      const DType d = storage[r].dtype;
+      t[r].resize(static_cast<size_t>(s.numel) * dtype_size(d));
+      const ProgramState* st = r >= 2 ? &plan.program.states[r - 2] : nullptr;
+      for (int64_t i = 0; i < s.numel; ++i) {
+        double v = st == nullptr ? normal(rng) : st->init;
+        if (st != nullptr && st->init_from_param) v = load_element(t[0].data(), storage[0].dtype, i);
+        store_element(t[r].data(), d, i, v);
+      }
     }
     data_.push_back(std::move(t));
   }
@@ -27,11 +48,14 @@ std::vector<TensorRef> HostTensorSet::refs() {
   std::vector<TensorRef> out;
   for (size_t t = 0; t < specs_.size(); ++t) {
     TensorRef r;
-    auto buf = [&](size_t role) { return Buffer{data_[t][role].data(), specs_[t].numel, dtype_}; };
+    auto buf = [&](size_t role) {
+      return Buffer{data_[t][role].data(), specs_[t].numel, storage_[role].dtype, storage_[role].stochastic};
+    };
     r.param = buf(0);
     r.grad = buf(1);
     for (size_t role = 2; role < data_[t].size(); ++role) r.states.push_back(buf(role));
     r.group = specs_[t].group;
+    r.rng_key = t + 1;
     out.push_back(r);
   }
   return out;
@@ -41,11 +65,11 @@ void HostTensorSet::randomize_grads(uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
   for (size_t t = 0; t < specs_.size(); ++t)
-    for (int64_t i = 0; i < specs_[t].numel; ++i) store_element(data_[t][1].data(), dtype_, i, normal(rng));
+    for (int64_t i = 0; i < specs_[t].numel; ++i) store_element(data_[t][1].data(), storage_[1].dtype, i, normal(rng));
 }
 
 double HostTensorSet::value(size_t tensor, size_t role, int64_t i) const {
-  return load_element(data_[tensor][role].data(), dtype_, i);
+  return load_element(data_[tensor][role].data(), storage_.at(role).dtype, i);
 }
 
 double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b) {

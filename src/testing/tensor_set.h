@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "codegen/abi.h"
 #include "optfuse/optimizer.h"
 
 namespace optfuse::testing {
@@ -15,13 +16,19 @@ struct TensorSpec {
 
 class HostTensorSet {
  public:
+  // Every role in `dtype` (fixed-dtype states of the plan's precision options in theirs).
   HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, DType dtype, uint64_t seed);
+  // Each role as `storage` says (param, grad, states: dtype and stochastic rounding). Parameters are
+  // random numbers rounded to the parameter's dtype; a master copy starts as the parameter. Tensor
+  // t's random stream is rng_key t + 1, rng_offset 0.
+  HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& specs, const StorageVariant& storage, uint64_t seed);
   // References into this set's memory.
   std::vector<TensorRef> refs();
   // New random gradients (step-dependent), as a training loop would produce.
   void randomize_grads(uint64_t seed);
   size_t size() const { return specs_.size(); }
-  DType dtype() const { return dtype_; }
+  DType dtype() const { return storage_.at(0).dtype; }  // the parameter's
+  DType dtype(size_t role) const { return storage_.at(role).dtype; }
   size_t num_roles() const { return data_.empty() ? 0 : data_[0].size(); }
   const std::vector<TensorSpec>& specs() const { return specs_; }
   // role 0 param, 1 grad, 2+s state s
@@ -30,7 +37,7 @@ class HostTensorSet {
 
  private:
   std::vector<TensorSpec> specs_;
-  DType dtype_;
+  StorageVariant storage_;
   std::vector<std::vector<std::vector<uint8_t>>> data_;  // [tensor][role] bytes
 };
 
