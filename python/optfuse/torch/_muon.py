@@ -75,7 +75,7 @@ def torch_lerp(b, start, end, name):
                         _core.fma(b.hyper(name + "_m1"), d, end))
 
 
-def momentum_rule(dtype=torch.float32):
+def momentum_rule(dtype=torch.float32, device_type="cpu"):
     """The element-wise pass before the matrix phase. The pass's parameter is the scratch buffer:
     its new value is the pre-orthogonalisation update. The lerp weights (1 - momentum, momentum)
     and `nesterov` (0/1) are hyperparameters: one kernel serves every group. For bfloat16/float16
@@ -95,19 +95,44 @@ def momentum_rule(dtype=torch.float32):
     return rule.hyper("nesterov", 1.0, _core.Range(0.0, 1.0, False, False)).state("momentum_buffer", 0.0).update(update)
 
 
-def apply_rule(dtype=torch.float32):
+def apply_rule(dtype=torch.float32, device_type="cpu"):
     """The element-wise pass after the matrix phase: the incoming 'gradient' is the orthogonalised
-    update, the parameter is decayed then moved by -adjusted_lr * update (one fma, as torch)."""
+    update; the parameter is decayed by `decay` = 1 - lr * weight_decay, then moved by
+    -adjusted_lr * update, rounded as torch's p.mul_(decay); p.add_(u, alpha=-adjusted_lr) is:
+    one fma, except in torch's CPU kernels for bfloat16/float16, which round alpha to the
+    parameter's dtype first and, when the update is a transposed view (tall matrices), also round
+    alpha * u before adding (both measured on torch 2.15; its CUDA kernels keep alpha in float32).
+    `rounded_product` (0/1) selects that last form per internal group. The values are
+    hyperparameters computed in Python as torch computes them (apply_hypers)."""
     def update(b):
+        decayed = _rounded(b.param() * b.hyper("decay"), dtype)
+        step = -b.hyper("adjusted_lr")
         u = b.update()
-        decayed = _rounded(b.param() * (1 - b.hyper("lr") * b.hyper("weight_decay")), dtype)
-        b.set_param_base(_core.fma(u, -b.hyper("adjusted_lr"), decayed))
+        if device_type == "cpu" and dtype != torch.float32:
+            step = _rounded(step, dtype)
+            new = _core.select(b.hyper("rounded_product"), decayed + _rounded(step * u, dtype),
+                               _core.fma(u, step, decayed))
+        else:
+            new = _core.fma(u, step, decayed)
+        b.set_param_base(new)
         return b.constant(-0.0)
     return (_core.Rule("muon_apply")
-            .hyper("lr", 1e-3, _core.Range.non_negative())
-            .hyper("weight_decay", 0.1, _core.Range.non_negative())
+            .hyper("decay", 1.0)
             .hyper("adjusted_lr", 1e-3, _core.Range.non_negative())
+            .hyper("rounded_product", 0.0)
             .update(update))
+
+
+def apply_hypers(lr, weight_decay, ratio):
+    """decay = 1 - lr * weight_decay and adjusted_lr = lr * ratio as torch.optim.Muon gets them: in
+    float64 for a Python lr; for a tensor lr, torch's 0-dim tensor arithmetic in the tensor's dtype
+    (float32: every operation rounded to float32, the Python operands first)."""
+    if torch.is_tensor(lr) and lr.dtype != torch.float64:
+        v = float(lr)  # a CUDA lr is read back here (a device sync per step; see docs/python.md)
+        r = _f32
+        return {"decay": r(1 - r(v * r(float(weight_decay)))), "adjusted_lr": r(v * r(ratio))}
+    v = float(lr)
+    return {"decay": 1 - v * float(weight_decay), "adjusted_lr": v * ratio}
 
 
 def adjusted_lr_ratio(adjust_lr_fn, shape):
@@ -205,7 +230,7 @@ class Muon(torch.optim.Optimizer):
         self._engines_in = {}   # (device, dtype) -> Engine of the momentum pass
         self._engines_out = {}  # (device, dtype) -> Engine of the apply pass
         self._buckets = []
-        self._out_groups = []   # internal group of the apply pass -> (torch group index, lr ratio)
+        self._out_groups = []   # internal group of the apply pass -> (torch group index, lr ratio, tall)
         self._copies = []       # (gradient, contiguous copy the momentum pass reads)
 
     def __setstate__(self, state):
@@ -282,10 +307,9 @@ class Muon(torch.optim.Optimizer):
                                        nesterov=1.0 if g["nesterov"] else 0.0))
         for e in self._engines_out.values():
             for og in {og for og, _ in e.groups}:
-                tg, ratio = self._out_groups[og]
+                tg, ratio, tall = self._out_groups[og]
                 g = groups[tg]
-                lr = float(g["lr"])  # torch: _to_scalar(lr), then lr * ratio in float64
-                e.push_hypers(og, {"lr": lr, "weight_decay": float(g["weight_decay"]), "adjusted_lr": lr * ratio})
+                e.push_hypers(og, dict(apply_hypers(g["lr"], g["weight_decay"], ratio), rounded_product=float(tall)))
 
     def _rebuild(self, sigs):
         groups = self.param_groups
@@ -333,7 +357,7 @@ class Muon(torch.optim.Optimizer):
                     copies.append((grad, copy))
                     grad = copy
                 in_entries.setdefault((device, dtype), []).append((scratch, grad, [buf], tg, 0, w))
-                og_key = (tg, adjusted_lr_ratio(sigs[tg][4], p.shape))
+                og_key = (tg, adjusted_lr_ratio(sigs[tg][4], p.shape), shape[0] > shape[1])
                 if og_key not in out_index:
                     out_index[og_key] = len(out_groups)
                     out_groups.append(og_key)
@@ -350,7 +374,7 @@ class Muon(torch.optim.Optimizer):
     def _engines(old, entries, make_rule):
         out = {}
         for (device, dtype), es in entries.items():
-            engine = old.get((device, dtype)) or Engine([make_rule(dtype)], device)
+            engine = old.get((device, dtype)) or Engine([make_rule(dtype, device.type)], device)
             engine.build(es, lambda g: {})  # hyperparameters are pushed by _push_hypers every step
             out[(device, dtype)] = engine
         return out
@@ -415,7 +439,9 @@ class MuonWithAuxAdam(torch.optim.Optimizer):
 
     def state_dict(self):
         if self._adam is not None:
-            self._adam.state_dict()  # writes the kernel's step counts into state["step"]
+            # FusedOptimizer.state_dict's refresh of state["step"] from the kernel's counters (its own
+            # state_dict() would pack only its parameters, and the state here is shared)
+            self._adam._sync_steps(write_state=True)
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
