@@ -36,7 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
 
 import optfuse.torch as oft  # noqa: E402
-from optfuse.torch._muon import newton_schulz_batched  # noqa: E402
 
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
 
