@@ -356,12 +356,14 @@ class Muon(torch.optim.Optimizer):
                     copy = torch.empty_like(p)
                     copies.append((grad, copy))
                     grad = copy
-                in_entries.setdefault((device, dtype), []).append((scratch, grad, [buf], tg, 0, w))
+                # (last two: no stochastic rounding of the stores, random stream key unused)
+                in_entries.setdefault((device, dtype), []).append((scratch, grad, [buf], tg, 0, w, (False, False), 0))
                 og_key = (tg, adjusted_lr_ratio(sigs[tg][4], p.shape), shape[0] > shape[1])
                 if og_key not in out_index:
                     out_index[og_key] = len(out_groups)
                     out_groups.append(og_key)
-                out_entries.setdefault((device, dtype), []).append((p, scratch, [], out_index[og_key], 0, w))
+                out_entries.setdefault((device, dtype), []).append(
+                    (p, scratch, [], out_index[og_key], 0, w, (False, False), 0))
         self._out_groups = out_groups
         self._engines_in = self._engines(self._engines_in, in_entries, momentum_rule)
         self._engines_out = self._engines(self._engines_out, out_entries, apply_rule)
