@@ -8,7 +8,8 @@ turn a running torch optimizer into its fused equivalent.
 from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
+from ._muon import Muon, MuonWithAuxAdam  # noqa: F401
 from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, RAdam, RMSprop, Rprop  # noqa: F401
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion",
-           "Lamb", "Lars", "Fused", "fuse", "explain", "FusedOptimizer"]
+           "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]
