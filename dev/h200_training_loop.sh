@@ -2,8 +2,10 @@
 # The training-loop issue's checks on the H200 in one call of the `run` tool (carry .devdeps):
 #   build; C++ CUDA tests; the Python suite (CUDA available, failures summarised); the training-loop
 #   benchmark against torch (host time, never-waits check, GPU time, CUDA graph; --compile optional);
-#   optimizers: bench/optimizers_vs_torch.py (OPT_ARGS).
-# Usage: dev/h200_training_loop.sh [part ...]   parts: build cxx python bench optimizers compile (default: all but compile)
+#   optimizers: bench/optimizers_vs_torch.py (OPT_ARGS); mixed: bench/mixed_precision_vs_torch.py;
+#   muon: bench/muon_vs_torch.py (MUON_ARGS).
+# Usage: dev/h200_training_loop.sh [part ...]
+#   parts: build cxx python bench optimizers mixed muon compile (default: build cxx python bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -34,6 +36,14 @@ fi
 if has optimizers; then
   step "optimizers vs torch"
   timeout ${OPT_TIMEOUT:-240} python3 bench/optimizers_vs_torch.py --json "$out/optimizers_vs_torch.json" ${OPT_ARGS:-} 2>&1 | tee -a "$out/summary.log"
+fi
+if has mixed; then
+  step "mixed precision vs torch"
+  timeout ${MIXED_TIMEOUT:-200} python3 bench/mixed_precision_vs_torch.py --json "$out/mixed_precision_vs_torch.json" 2>&1 | tee -a "$out/summary.log"
+fi
+if has muon; then
+  step "muon vs torch"
+  timeout ${MUON_TIMEOUT:-200} python3 bench/muon_vs_torch.py --json "$out/muon_vs_torch.json" ${MUON_ARGS:-} 2>&1 | tee -a "$out/summary.log"
 fi
 if has compile; then
   step "training loop, torch.compile"

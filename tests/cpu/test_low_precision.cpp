@@ -22,6 +22,7 @@
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
+#include "testing/precision_cases.h"
 #include "testing/tensor_set.h"
 
 namespace optfuse {
@@ -43,17 +44,6 @@ uint32_t float_bits(float f) {
   return u;
 }
 
-// Every role: its dtype, stochastic where asked (low-precision parameter and states only).
-StorageVariant storage(const Plan& plan, DType param, DType grad, DType states, bool stochastic = false) {
-  auto low = [](DType d) { return d == DType::bf16 || d == DType::f16; };
-  StorageVariant v{{param, stochastic && low(param)}, {grad, false}};
-  for (const ProgramState& s : plan.program.states) {
-    DType d = s.fixed_dtype ? s.dtype : (s.name == "kahan_comp" ? param : states);
-    v.push_back({d, stochastic && low(d) && !s.fixed_dtype});
-  }
-  return v;
-}
-
 // Runs `steps` steps (new gradients each step) on a copy of `set`.
 HostTensorSet run(const Chain& c, const Precision& prec, const HostTensorSet& set, Backend b, int steps,
                   uint64_t seed = 7) {
@@ -68,97 +58,16 @@ HostTensorSet run(const Chain& c, const Precision& prec, const HostTensorSet& se
   return s;
 }
 
-double ulp_tolerance(DType d) {
-  switch (d) {
-    case DType::bf16: return 2 * std::ldexp(1.0, -7);
-    case DType::f16: return 2 * std::ldexp(1.0, -10);
-    case DType::i16: return 0;  // remainders: checked through the master they rebuild
-    default: return 1e-5;
-  }
-}
-
-// The largest difference of one role relative to that role's scale in `want`.
-double role_difference(const HostTensorSet& got, const HostTensorSet& want, size_t role) {
-  double worst = 0;
-  for (size_t t = 0; t < want.size(); ++t) {
-    int64_t n = want.specs()[t].numel;
-    double scale = 0;
-    for (int64_t i = 0; i < n; ++i) scale = std::max(scale, std::fabs(want.value(t, role, i)));
-    for (int64_t i = 0; i < n; ++i)
-      worst = std::max(worst, std::fabs(got.value(t, role, i) - want.value(t, role, i)) / std::max(scale, 1e-30));
-  }
-  return worst;
-}
-
-struct PrecisionCase {
-  const char* name;
-  Precision prec;
-  DType param, grad, states;
-  bool stochastic;
-};
-
-std::vector<PrecisionCase> cases() {
-  Precision none, copy, rem, kahan_bf16, kahan_f16;
-  copy.master = MasterWeights::copy;
-  rem.master = MasterWeights::remainders;
-  kahan_bf16.kahan = true;
-  kahan_f16.kahan = true;
-  kahan_f16.kahan_dtype = DType::f16;
-  return {
-      {"bf16 param, fp32 grad and states", none, DType::bf16, DType::f32, DType::f32, false},
-      {"fp32 param, bf16 grad, fp16 states", none, DType::f32, DType::bf16, DType::f16, false},
-      {"bf16 everything, stochastic", none, DType::bf16, DType::bf16, DType::bf16, true},
-      {"fp16 everything, stochastic", none, DType::f16, DType::f16, DType::f16, true},
-      {"master copy, bf16 param and grad", copy, DType::bf16, DType::bf16, DType::f32, false},
-      {"master copy, fp16 param, bf16 states stochastic", copy, DType::f16, DType::f32, DType::bf16, true},
-      {"remainders, fp32 grad", rem, DType::bf16, DType::f32, DType::f32, false},
-      {"kahan bf16", kahan_bf16, DType::bf16, DType::bf16, DType::bf16, false},
-      {"kahan fp16, fp32 states", kahan_f16, DType::f16, DType::f16, DType::f32, false},
-  };
-}
-
 TEST(LowPrecision, CpuMatchesReferenceForEveryOptionAndDtype) {
   for (const char* spec : {"adamw(lr=0.01, weight_decay=0.1)", "chain(clip_by_global_norm(1.0), sgd(lr=0.05, momentum=0.9))"})
-    for (const PrecisionCase& c : cases()) {
+    for (const testing::PrecisionCase& c : testing::precision_cases()) {
       SCOPED_TRACE(std::string(spec) + " / " + c.name);
       Chain chain = parse_chain(spec);
       Plan plan = make_plan(chain, c.prec);
-      HostTensorSet set(plan, kSizes, storage(plan, c.param, c.grad, c.states, c.stochastic), 3);
+      HostTensorSet set(plan, kSizes, testing::role_storage(plan, c.param, c.grad, c.states, c.stochastic), 3);
       HostTensorSet ref = run(chain, c.prec, set, Backend::reference, 6);
       HostTensorSet cpu = run(chain, c.prec, set, Backend::cpu, 6);
-      for (size_t r = 0; r < set.num_roles(); ++r) {
-        if (r == 1) continue;  // gradients are inputs
-        const std::string& name = r >= 2 ? plan.program.states[r - 2].name : "";
-        // A remainder is checked through the master it rebuilds (below); a Kahan compensation
-        // through param + compensation at the parameter's scale (where float32 and float64 round
-        // the parameter to neighbours, the compensations differ by that ulp: all of their scale).
-        if (name == "param_remainder") continue;
-        if (name == "kahan_comp") {
-          double worst = 0, scale = 0;
-          for (size_t t = 0; t < set.size(); ++t)
-            for (int64_t i = 0; i < set.specs()[t].numel; ++i) {
-              scale = std::max(scale, std::fabs(ref.value(t, 0, i)));
-              worst = std::max(worst, std::fabs((cpu.value(t, 0, i) + cpu.value(t, r, i)) - (ref.value(t, 0, i) + ref.value(t, r, i))));
-            }
-          EXPECT_LE(worst / scale, ulp_tolerance(set.dtype(0))) << "param + kahan_comp";
-          continue;
-        }
-        DType d = set.dtype(r);
-        // A stochastic store may round a value on the other side where float32 and float64 differ
-        // in their last bits: one ulp of the type, as nearest rounding.
-        EXPECT_LE(role_difference(cpu, ref, r), ulp_tolerance(d)) << "role " << r << " " << dtype_name(d);
-      }
-      if (c.prec.master == MasterWeights::remainders) {  // the rebuilt master, as float32 tolerance
-        const size_t rem_role = set.num_roles() - 1;
-        double worst = 0;
-        for (size_t t = 0; t < set.size(); ++t)
-          for (int64_t i = 0; i < set.specs()[t].numel; ++i) {
-            float a = lowp::master_from_remainder(static_cast<float>(cpu.value(t, 0, i)), static_cast<float>(cpu.value(t, rem_role, i)));
-            float b = lowp::master_from_remainder(static_cast<float>(ref.value(t, 0, i)), static_cast<float>(ref.value(t, rem_role, i)));
-            worst = std::max(worst, static_cast<double>(std::fabs(a - b)));
-          }
-        EXPECT_LE(worst, 1e-5);
-      }
+      EXPECT_EQ(testing::compare_to_reference(plan, cpu, ref), "");
     }
 }
 
@@ -209,7 +118,7 @@ TEST(LowPrecision, StochasticStoresAreBitwiseEqualOnBothBackendsAndRunToRun) {
   Chain c = sgd({{"lr", 0x1.0p-12}});
   Plan plan = make_plan(c);
   for (DType d : {DType::bf16, DType::f16}) {
-    HostTensorSet set(plan, kSizes, storage(plan, d, d, d, true), 5);
+    HostTensorSet set(plan, kSizes, testing::role_storage(plan, d, d, d, true), 5);
     HostTensorSet a = run(c, {}, set, Backend::cpu, 4), b = run(c, {}, set, Backend::cpu, 4);
     HostTensorSet ref = run(c, {}, set, Backend::reference, 4);
     size_t moved = 0, total = 0;
@@ -228,7 +137,7 @@ TEST(LowPrecision, StochasticStreamIsTheSameForShardsOfATensor) {
   Chain c = adamw({{"lr", 1e-3}});
   Plan plan = make_plan(c);
   const int64_t n = 5000, cut = 1234;
-  HostTensorSet whole(plan, {{n, 0}}, storage(plan, DType::bf16, DType::bf16, DType::bf16, true), 11);
+  HostTensorSet whole(plan, {{n, 0}}, testing::role_storage(plan, DType::bf16, DType::bf16, DType::bf16, true), 11);
   const HostTensorSet start = whole;
   HostTensorSet sharded = whole;
   Optimizer a(c, Backend::cpu), b(c, Backend::cpu);
@@ -285,10 +194,10 @@ TEST(LowPrecision, MasterWeightsFollowTheFloat32Run) {
   rem.master = MasterWeights::remainders;
   Plan plain_plan = make_plan(c), copy_plan = make_plan(c, copy), rem_plan = make_plan(c, rem);
   // Same starting values: bfloat16 parameters and gradients (exact in float32 too).
-  HostTensorSet fp32(plain_plan, kSizes, storage(plain_plan, DType::f32, DType::f32, DType::f32), 9);
-  HostTensorSet bf(plain_plan, kSizes, storage(plain_plan, DType::bf16, DType::bf16, DType::f32), 9);
-  HostTensorSet mc(copy_plan, kSizes, storage(copy_plan, DType::bf16, DType::bf16, DType::f32), 9);
-  HostTensorSet mr(rem_plan, kSizes, storage(rem_plan, DType::bf16, DType::bf16, DType::f32), 9);
+  HostTensorSet fp32(plain_plan, kSizes, testing::role_storage(plain_plan, DType::f32, DType::f32, DType::f32), 9);
+  HostTensorSet bf(plain_plan, kSizes, testing::role_storage(plain_plan, DType::bf16, DType::bf16, DType::f32), 9);
+  HostTensorSet mc(copy_plan, kSizes, testing::role_storage(copy_plan, DType::bf16, DType::bf16, DType::f32), 9);
+  HostTensorSet mr(rem_plan, kSizes, testing::role_storage(rem_plan, DType::bf16, DType::bf16, DType::f32), 9);
   for (size_t t = 0; t < fp32.size(); ++t)
     for (int64_t i = 0; i < fp32.specs()[t].numel; ++i) store_element(fp32.bytes(t, 0).data(), DType::f32, i, bf.value(t, 0, i));
   const int steps = 10;
@@ -310,7 +219,7 @@ TEST(LowPrecision, MasterWeightsFollowTheFloat32Run) {
   go(rem, mr);
   const size_t master = mc.num_roles() - 1, remainder = mr.num_roles() - 1;
   size_t moved_fp32 = 0, moved_bf16 = 0, total = 0;
-  HostTensorSet start(plain_plan, kSizes, storage(plain_plan, DType::bf16, DType::bf16, DType::f32), 9);
+  HostTensorSet start(plain_plan, kSizes, testing::role_storage(plain_plan, DType::bf16, DType::bf16, DType::f32), 9);
   for (size_t t = 0; t < fp32.size(); ++t)
     for (int64_t i = 0; i < fp32.specs()[t].numel; ++i, ++total) {
       const double want = fp32.value(t, 0, i), m = mc.value(t, master, i);
@@ -331,9 +240,9 @@ TEST(LowPrecision, KahanKeepsUpdatesBelowOneUlp) {
   Precision kahan;
   kahan.kahan = true;
   Plan plain = make_plan(c), kp = make_plan(c, kahan);
-  HostTensorSet fp32(plain, {{4096, 0}}, storage(plain, DType::f32, DType::f32, DType::f32), 2);
-  HostTensorSet bf(plain, {{4096, 0}}, storage(plain, DType::bf16, DType::f32, DType::f32), 2);
-  HostTensorSet kb(kp, {{4096, 0}}, storage(kp, DType::bf16, DType::f32, DType::f32), 2);
+  HostTensorSet fp32(plain, {{4096, 0}}, testing::role_storage(plain, DType::f32, DType::f32, DType::f32), 2);
+  HostTensorSet bf(plain, {{4096, 0}}, testing::role_storage(plain, DType::bf16, DType::f32, DType::f32), 2);
+  HostTensorSet kb(kp, {{4096, 0}}, testing::role_storage(kp, DType::bf16, DType::f32, DType::f32), 2);
   for (int64_t i = 0; i < 4096; ++i) store_element(fp32.bytes(0, 0).data(), DType::f32, i, bf.value(0, 0, i));
   Optimizer a(c, Backend::cpu), b(c, Backend::cpu), k(c, Backend::cpu, 1, kahan);
   a.set_tensors(fp32.refs());
@@ -380,7 +289,7 @@ TEST(LowPrecision, BadCombinationsAreClearErrors) {
             "nothing is rounded away: choose one");
   auto set_error = [&](const Precision& p, DType param, DType states) {
     Plan plan = make_plan(c, p);
-    HostTensorSet s(plan, {{4, 0}}, storage(plan, param, param, states), 1);
+    HostTensorSet s(plan, {{4, 0}}, testing::role_storage(plan, param, param, states), 1);
     Optimizer o(c, Backend::cpu, 1, p);
     return error_of([&] { o.set_tensors(s.refs()); });
   };
@@ -394,7 +303,7 @@ TEST(LowPrecision, BadCombinationsAreClearErrors) {
             "tensor 0: the chain's kahan compensation is for bfloat16 parameters; this parameter is float16");
   {  // a master state of the wrong dtype
     Plan plan = make_plan(c, copy);
-    StorageVariant v = storage(plan, DType::bf16, DType::bf16, DType::f32);
+    StorageVariant v = testing::role_storage(plan, DType::bf16, DType::bf16, DType::f32);
     v.back().dtype = DType::bf16;
     HostTensorSet s(plan, {{4, 0}}, v, 1);
     Optimizer o(c, Backend::cpu, 1, copy);

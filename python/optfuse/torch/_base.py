@@ -183,8 +183,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict):
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
         self._fill_precision_keys()
+        # torch casts every state tensor to its parameter's dtype; optfuse states keep their own
+        # (a float32 master or float32 moments beside a bfloat16 parameter, an int16 remainder).
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params):
+            for k, v in saved.get(pid, {}).items():
+                st = self.state.get(p, {})
+                if k != "step" and torch.is_tensor(v) and torch.is_tensor(st.get(k)) and st[k].dtype != v.dtype:
+                    st[k] = v.to(device=p.device, copy=True)
         for e in self._engines.values():
             e.params, e.groups, e.group_of, e.indices = [], [], [], []
         self._steps = {}  # re-read from the loaded state
@@ -358,14 +368,16 @@ class FusedOptimizer(torch.optim.Optimizer):
             if t is None:
                 t = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 if from_param:
-                    t.copy_(p)  # a master copy starts as the parameter
+                    with torch.no_grad():  # a state, never part of the autograd graph
+                        t.copy_(p)  # a master copy starts as the parameter
                 else:
                     t.fill_(init)
             elif t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride():
                 # A state of another dtype or layout (a torch state dict, a changed state_dtype):
                 # converted once into the layout and dtype the kernel steps.
                 converted = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
-                converted.copy_(t)
+                with torch.no_grad():
+                    converted.copy_(t)
                 t = converted
             st[name] = t
             out.append(t)

@@ -1,0 +1,34 @@
+// Shared by the CPU and CUDA low-precision tests: each role's storage for a plan, the option and
+// dtype combinations every backend is checked on, and the comparison against the reference.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "codegen/abi.h"
+#include "optfuse/plan.h"
+#include "testing/tensor_set.h"
+
+namespace optfuse::testing {
+
+// Every role: its dtype, stochastic where asked (low-precision parameter and states only); fixed
+// states keep their dtype, a Kahan compensation takes the parameter's.
+StorageVariant role_storage(const Plan& plan, DType param, DType grad, DType states, bool stochastic = false);
+
+struct PrecisionCase {
+  const char* name;
+  Precision prec;
+  DType param, grad, states;
+  bool stochastic;
+};
+std::vector<PrecisionCase> precision_cases();
+
+// 2 ulps of the storage type (bfloat16, float16) at the role's scale, 1e-5 for float32.
+double ulp_tolerance(DType d);
+// Every role the step writes of `got` against `want` (the reference): within ulp_tolerance of its
+// storage type relative to its scale; a remainder through the float32 master it rebuilds; a Kahan
+// compensation through param + compensation at the parameter's scale (where float32 and float64
+// round the parameter to neighbours the compensations differ by that ulp, all of their own scale).
+// Returns "" or what failed.
+std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want);
+
+}  // namespace optfuse::testing
