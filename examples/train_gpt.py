@@ -56,20 +56,47 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def run(opt_cls, data, vocab, args, device):
+def load_data(path):
+    """The text at path as a tensor of character indices, and the sorted vocabulary."""
+    text = open(path, encoding="utf-8").read()
+    chars = sorted(set(text))
+    return torch.tensor([chars.index(c) for c in text], dtype=torch.long), chars
+
+
+def lr_schedule(opt, steps):
+    """Linear warm-up over the first tenth of the steps, then cosine decay to zero at `steps`."""
+    warmup = max(1, steps // 10)
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def get_batch(data, args, gen, device):
+    """args.batch random windows of args.block characters (inputs) and the same shifted by one (targets)."""
+    ix = torch.randint(len(data) - args.block - 1, (args.batch,), generator=gen)
+    x = torch.stack([data[i:i + args.block] for i in ix]).to(device)
+    y = torch.stack([data[i + 1:i + args.block + 1] for i in ix]).to(device)
+    return x, y
+
+
+def run(opt_cls, data, vocab, args, device, *, opt_kwargs=None, param_dtype=None, autocast_dtype=None):
+    """Trains a fresh GPT (seeded by args.seed) for args.steps steps, yielding after each step.
+    opt_kwargs: extra optimizer keywords; param_dtype: the dtype the model's weights are cast to
+    (None: float32); autocast_dtype: forward and loss under torch.autocast in that dtype (None: no autocast)."""
     torch.manual_seed(args.seed)
     model = GPT(vocab, args.block).to(device)
-    opt = opt_cls(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    if param_dtype is not None:
+        model = model.to(param_dtype)
+    opt = opt_cls(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), **(opt_kwargs or {}))
+    sched = lr_schedule(opt, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     losses, times = [], []
     for step in range(args.steps):
-        ix = torch.randint(len(data) - args.block - 1, (args.batch,), generator=gen)
-        x = torch.stack([data[i:i + args.block] for i in ix]).to(device)
-        y = torch.stack([data[i + 1:i + args.block + 1] for i in ix]).to(device)
-        loss = F.cross_entropy(model(x).view(-1, vocab), y.view(-1))
+        x, y = get_batch(data, args, gen, device)
+        with torch.autocast(device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            logits = model(x)
+            if autocast_dtype is not None:
+                logits = logits.float()  # the loss in float32, whatever autocast chose for the logits
+            loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -99,10 +126,8 @@ def main():
     device = torch.device(args.device)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    text = open(args.data, encoding="utf-8").read()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    print(f"{len(text)} characters, vocabulary {len(chars)}, device {device}, {args.steps} steps")
+    data, chars = load_data(args.data)
+    print(f"{len(data)} characters, vocabulary {len(chars)}, device {device}, {args.steps} steps")
 
     results = {}
     for name, cls in (("torch.optim.AdamW", torch.optim.AdamW), ("optfuse.torch.AdamW", optfuse.torch.AdamW)):

@@ -14,4 +14,5 @@ spec="chain(clip_by_global_norm(1.0), adamw(lr=1e-3, weight_decay=0.01))"
 python3 -m pip install -q --no-build-isolation .
 mkdir -p out
 python3 examples/train_gpt.py --out out/train_gpt.png
+python3 examples/train_gpt_bf16.py --out out/train_gpt_bf16.png
 echo "demo: wrote out/train_gpt.png"
