@@ -44,7 +44,8 @@ double ulp_tolerance(DType d) {
   }
 }
 
-std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want) {
+std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want,
+                                 double float32_tolerance) {
   std::ostringstream fail;
   auto scale_of = [&](size_t t, size_t role) {
     double s = 0;
@@ -54,13 +55,13 @@ std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, con
   for (size_t r = 0; r < want.num_roles(); ++r) {
     if (r == 1) continue;  // gradients are inputs
     const std::string name = r >= 2 ? plan.program.states[r - 2].name : "param";
-    double worst = 0, tol = ulp_tolerance(want.dtype(r));
+    double worst = 0, tol = want.dtype(r) == DType::f32 ? float32_tolerance : ulp_tolerance(want.dtype(r));
     for (size_t t = 0; t < want.size(); ++t) {
       const double scale = scale_of(t, name == "kahan_comp" || name == "param_remainder" ? 0 : r);
       for (int64_t i = 0; i < want.specs()[t].numel; ++i) {
         double d;
         if (name == "param_remainder") {  // the rebuilt masters, float32 tolerance at the parameter's scale
-          tol = 1e-5;
+          tol = float32_tolerance;
           float a = lowp::master_from_remainder(static_cast<float>(got.value(t, 0, i)), static_cast<float>(got.value(t, r, i)));
           float b = lowp::master_from_remainder(static_cast<float>(want.value(t, 0, i)), static_cast<float>(want.value(t, r, i)));
           d = std::fabs(static_cast<double>(a) - b);

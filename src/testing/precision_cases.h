@@ -29,6 +29,9 @@ double ulp_tolerance(DType d);
 // compensation through param + compensation at the parameter's scale (where float32 and float64
 // round the parameter to neighbours the compensations differ by that ulp, all of their own scale).
 // Returns "" or what failed.
-std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want);
+// float32_tolerance: for float32 roles; 1e-5, or more where stochastically rounded low-precision
+// states feed them (a state one ulp apart moves the master by lr x 2^-8 of its update).
+std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want,
+                                 double float32_tolerance = 1e-5);
 
 }  // namespace optfuse::testing

@@ -67,7 +67,8 @@ TEST(LowPrecision, CpuMatchesReferenceForEveryOptionAndDtype) {
       HostTensorSet set(plan, kSizes, testing::role_storage(plan, c.param, c.grad, c.states, c.stochastic), 3);
       HostTensorSet ref = run(chain, c.prec, set, Backend::reference, 6);
       HostTensorSet cpu = run(chain, c.prec, set, Backend::cpu, 6);
-      EXPECT_EQ(testing::compare_to_reference(plan, cpu, ref), "");
+      // (stochastically rounded states one ulp apart move a float32 master by lr x 2^-8 of its update)
+      EXPECT_EQ(testing::compare_to_reference(plan, cpu, ref, c.stochastic ? 1e-4 : 1e-5), "");
     }
 }
 

@@ -58,7 +58,9 @@ std::string vs_reference(const Chain& chain, const optfuse::testing::PrecisionCa
     ref.step();
     opt.step();
     dev.download(got);
-    fail = optfuse::testing::compare_to_reference(plan, got, want);
+    // Stochastically rounded states one ulp apart (where float32 and float64 differ) move a float32
+    // master by lr x 2^-8 of its update: 1e-4 of the scale then, 1e-5 otherwise.
+    fail = optfuse::testing::compare_to_reference(plan, got, want, c.stochastic ? 1e-4 : 1e-5);
     if (!fail.empty()) fail = "step " + std::to_string(s + 1) + ": " + fail;
   }
   return fail;
