@@ -33,23 +33,31 @@ CASES = [
     ("Rprop", dict(lr=1e-3)),
     ("ASGD", dict(lr=0.05, t0=3)),
 ]
+# Mixed precision on a bfloat16 model (label, class, options): master copies, remainders and Kahan
+# compensations are sharded like every state; stochastic rounding draws the unsharded bits.
+PRECISION_CASES = [
+    ("AdamW master_weights", "AdamW", dict(lr=1e-2, master_weights=True)),
+    ("AdamW remainders", "AdamW", dict(lr=1e-2, master_weights="remainders")),
+    ("AdamW stochastic bf16 states", "AdamW", dict(lr=1e-2, stochastic_rounding=True, state_dtype=torch.bfloat16)),
+    ("SGD kahan", "SGD", dict(lr=0.05, momentum=0.9, kahan=True)),
+]
 
 
-def make_model():
+def make_model(dtype=torch.float32):
     torch.manual_seed(0)  # the same model on every rank
     # 6300 + 12040 elements: with 2 or 3 ranks the shard boundaries fall inside the weights
-    return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 40))
+    return torch.nn.Sequential(torch.nn.Linear(20, 300), torch.nn.Tanh(), torch.nn.Linear(300, 40)).to(dtype)
 
 
-def data(rank, step):
+def data(rank, step, dtype=torch.float32):
     g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 20, generator=g), torch.randn(8, 40, generator=g)
+    return torch.randn(8, 20, generator=g).to(dtype), torch.randn(8, 40, generator=g).to(dtype)
 
 
 def train(ddp, model, zero, ref_model, ref, scheds, rank, steps, start=0):
     import torch.nn.functional as F
     for s in range(start, start + steps):
-        x, y = data(rank, s)
+        x, y = data(rank, s, next(model.parameters()).dtype)
         zero.zero_grad()
         F.mse_loss(ddp(x), y).backward()  # DDP: every rank now holds the averaged gradients
         zero.step()
@@ -87,8 +95,9 @@ def worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     out = {}
-    for name, kw in CASES:
-        model = make_model()
+    for label, name, kw, dtype in [(n, n, kw, torch.float32) for n, kw in CASES] + \
+            [(lb, n, kw, torch.bfloat16) for lb, n, kw in PRECISION_CASES]:
+        model = make_model(dtype)
         ref_model = copy.deepcopy(model)
         ddp = DistributedDataParallel(model)
         zero = ZeRO(getattr(oft, name)(model.parameters(), **kw))
@@ -105,9 +114,9 @@ def worker(rank, world, init_file, out_dir):
         ref_sd = ref.state_dict()
         ref_state_numel = sum(v.numel() for st in ref_sd["state"].values() for v in st.values()
                               if torch.is_tensor(v) and v.dim() > 0)
-        out[name] = dict(
+        out[label] = dict(
             params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
-            moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())),
+            moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model(dtype).parameters())),
             state_equal=same_state(zero.state_dict()["state"], ref_sd["state"]),
             lr=float(zero.param_groups[0]["lr"]), ref_lr=float(ref.param_groups[0]["lr"]),
             local_state=zero.local_state_numel(), full_state=ref_state_numel)
@@ -164,20 +173,21 @@ def run_ranks(world, tmp_path, timeout=600):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_zero1_with_ddp_is_bitwise_the_unsharded_optimizer(world, tmp_path):
     results = run_ranks(world, tmp_path)
+    labels = {n: kw for n, kw in CASES} | {lb: kw for lb, _, kw in PRECISION_CASES}
     for rank, res in enumerate(results):
-        for name, _ in CASES:
+        for name, kw in labels.items():
             r = res[name]
             assert r["moved"], (name, "training did not move the parameters: the comparison would be vacuous")
             assert r["params_equal"], (world, rank, name)
             assert r["state_equal"], (world, rank, name)
-            assert r["lr"] == r["ref_lr"] < CASES[[n for n, _ in CASES].index(name)][1]["lr"]  # the scheduler ran
+            assert r["lr"] == r["ref_lr"] < kw["lr"]  # the scheduler ran
             # 1/N of the state, plus what rounding the shard size up to 64 elements can add
             assert r["local_state"] <= r["full_state"] / world + 64 * (r["full_state"] // 18340 + 1), (name, r)
         assert res["torch_adamw_gradscaler"] == dict(params_equal=True, moved=True), res["torch_adamw_gradscaler"]
         assert res["refusals"][0].startswith("ZeRO: Lamb"), res["refusals"]
         assert "clip_by_global_norm" in res["refusals"][1], res["refusals"]
     if world > 1:  # the shards together hold all of the state
-        for name, _ in CASES:
+        for name in labels:
             assert sum(res[name]["local_state"] for res in results) == results[0][name]["full_state"], name
 
 

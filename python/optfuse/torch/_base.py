@@ -347,7 +347,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 states = self._states_for(p, st, engine, prec)
                 # Stochastic rounding: the parameter's stores unless a master copy holds its value.
                 stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
-                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, w + 1))
+                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, self._rng_stream(p, w)))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
             engines[(key, device, storage)] = engine
         self._engines = engines
@@ -357,6 +357,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sigs = [_sig_key(s) if self._tensor_hypers else s for s in sigs]
         self._on_cuda = any(device.type == "cuda" for _, device, _ in engines)
         self._of_dirty = False
+
+    def _rng_stream(self, p, w):
+        """Stochastic rounding's stream of parameter p (its position w among all parameters): the key
+        w + 1 from element 0; a sharded optimizer maps its pieces to their parameter's key and offset."""
+        streams = self.__dict__.get("_rng_streams")
+        if streams is not None and id(p) in streams:
+            return streams[id(p)]
+        return (w + 1, 0)
 
     def _states_for(self, p, st, engine, prec):
         if self._step_in_state and "step" not in st:

@@ -69,7 +69,8 @@ class Engine:
         """entries: (param, grad, states, torch group index, step, watch index, stochastic, rng key) per
         parameter that steps; grad and states are tensors of the parameter's layout (each its own dtype),
         already checked; stochastic: (parameter, states) whether their float16/bfloat16 stores round
-        stochastically, with the random stream rng key."""
+        stochastically, with the random stream rng: a key, or (key, offset of the tensor's first element
+        in the tensor the key names; a shard's offset)."""
         keys = {}
         self.groups, self.group_of, self.params, self.indices = [], [], [], []
         for p, _, _, tg, step, _, _, _ in entries:
@@ -91,8 +92,8 @@ class Engine:
         for gi, (tg, step) in enumerate(self.groups):
             self.core.set_step_count(gi, step)
             self._push(gi, hypers_of_torch_group(tg))
-        ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys = [], [], [], [], [], [], [], []
-        for p, g, states, tg, step, widx, stochastic, rng_key in entries:
+        ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys, rng_offsets = [], [], [], [], [], [], [], [], []
+        for p, g, states, tg, step, widx, stochastic, rng in entries:
             gi = keys[(tg, step)]
             self.params.append(p)
             self.indices.append(widx)
@@ -105,11 +106,13 @@ class Engine:
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)
             rounding.extend(k != 1 and stochastic[min(k, 1)] and t.dtype in (torch.float16, torch.bfloat16)
                             for k, t in enumerate(roles))
-            rng_keys.append(rng_key)
+            key, offset = rng if isinstance(rng, tuple) else (rng, 0)
+            rng_keys.append(key)
+            rng_offsets.append(offset)
             groups.append(gi)
         device_id = self.device.index if self.device.type == "cuda" else -1
         self.core._set_tensors_raw(ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups,
-                                   -1 if device_id is None else device_id, self.indices, rounding, rng_keys, [])
+                                   -1 if device_id is None else device_id, self.indices, rounding, rng_keys, rng_offsets)
 
     def _push(self, gi, hypers):
         done = self.pushed.setdefault(gi, {})

@@ -109,6 +109,8 @@ class ZeRO(torch.optim.Optimizer):
         cls = type(self.optimizer)
         self._inner = cls.__new__(cls)
         FusedOptimizer.__init__(self._inner, inner_groups, dict(self.optimizer.defaults))
+        # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
+        self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
 
     def _take_state_from(self, optimizer):
         """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
