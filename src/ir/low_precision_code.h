@@ -9,7 +9,8 @@
 // OF_FN is the dialect's function qualifier (inline on the host, __device__ on CUDA).
 //
 // Stochastic rounding. The random bits of one store are a counter-based hash of (tensor key,
-// element index, step, role): splitmix64 of (key, step) once per chunk, then 32-bit mixing per store: no generator state, the same bits on
+// element index, step, role): splitmix64 of (key, step) once per chunk, a 32-bit hash per element
+// and one multiply per role: no generator state, the same bits on
 // every backend, for any thread, block or chunk count, and for any cut of a tensor into shards
 // (an element's index is its index in the whole tensor: rng_offset + position).
 //   of_rng_base(key, step)      once per chunk: the tensor's stream at this step
@@ -37,17 +38,22 @@
   OF_FN unsigned long long of_rng_base(unsigned long long key, unsigned long long step) {          \
     return of_mix64(key ^ of_mix64(step + 0x9e3779b97f4a7c15ull));                                 \
   }                                                                                                \
-  OF_FN unsigned of_rng_bits(unsigned long long base, unsigned long long element, int role) {      \
+  OF_FN unsigned of_rng_element(unsigned long long base, unsigned long long element) {               \
     /* 32-bit arithmetic only (a 64-bit multiply is several instructions on a GPU): the element */ \
-    /* and role enter through odd multipliers (a bijection of the low 32 bits), then the */         \
-    /* lowbias32 finaliser mixes. */                                                               \
+    /* enters through odd multipliers (a bijection of its low 32 bits), lowbias32 mixes. */         \
     unsigned x = (unsigned)base ^ ((unsigned)element * 0x9e3779b1u) ^                              \
-                 ((unsigned)(element >> 32) * 0x85ebca77u) ^ ((unsigned)(base >> 32) + (unsigned)role * 0xc2b2ae3du); \
+                 ((unsigned)(element >> 32) * 0x85ebca77u) ^ (unsigned)(base >> 32);                \
     x ^= x >> 16;                                                                                  \
     x *= 0x7feb352du;                                                                              \
     x ^= x >> 15;                                                                                  \
     x *= 0x846ca68bu;                                                                              \
     return x ^ (x >> 16);                                                                          \
+  }                                                                                                \
+  OF_FN unsigned of_rng_bits(unsigned long long base, unsigned long long element, int role) {      \
+    /* one element hash (the compiler shares it between the roles of an element), one multiply */  \
+    /* per role */                                                                                 \
+    unsigned x = (of_rng_element(base, element) ^ ((unsigned)role * 0x9e3779b9u)) * 0x85ebca6bu;   \
+    return x ^ (x >> 15);                                                                          \
   }                                                                                                \
   OF_FN unsigned short of_float_to_bf16_sr(float f, unsigned r) {                                  \
     unsigned u = of_f2u(f);                                                                        \
