@@ -18,7 +18,6 @@ x elements / copy bandwidth (bench/training_loop.py's copy_bandwidth, one defini
 import argparse
 import json
 import os
-import statistics
 import sys
 import traceback
 
@@ -26,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
-from training_loop import copy_bandwidth, events  # noqa: E402
+from optimizers_vs_torch import time_steps  # noqa: E402  (the same timing loop)
+from training_loop import copy_bandwidth  # noqa: E402
 
 import optfuse.torch as oft  # noqa: E402
 
@@ -39,29 +39,6 @@ CONFIGS = {
     "optfuse AdamW, bf16 states + stochastic rounding": (
         14, lambda ps: oft.AdamW(ps, lr=1e-4, stochastic_rounding=True, state_dtype=torch.bfloat16)),
 }
-
-
-def time_steps(make, shapes, steps, warmup):
-    torch.manual_seed(0)
-    params = [torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
-    pool = [[(torch.randn(s, device="cuda") * 1e-2).to(torch.bfloat16) for s in shapes] for _ in range(2)]
-    opt = make(params)
-    times = []
-    for i in range(warmup + steps):
-        opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, pool[i % 2]):
-            p.grad = g.view_as(g)  # a new tensor object over the same memory
-        a, b = events()
-        a.record()
-        opt.step()
-        b.record()
-        if i >= warmup:
-            times.append((a, b))
-    torch.cuda.synchronize()
-    out = statistics.median(x.elapsed_time(y) for x, y in times)
-    del opt, params, pool
-    torch.cuda.empty_cache()
-    return out
 
 
 def main():
@@ -83,7 +60,7 @@ def main():
         for label, (bpe, factory) in CONFIGS.items():
             floor_ms = bpe * n / bw * 1e3
             try:
-                ms = time_steps(factory, shapes, a.steps, a.warmup)
+                ms = time_steps(factory, shapes, a.steps, a.warmup, dtype=torch.bfloat16)
                 pct = 100 * floor_ms / ms
                 print(f"  {label:<50} {bpe:>6} {floor_ms:>8.3f} {ms:>8.3f} {pct:>7.1f}%")
                 results.append(dict(workload=wl, configuration=label, bytes_per_element=bpe, floor_ms=floor_ms, ms=ms,

@@ -123,10 +123,12 @@ def plan_bytes(spec):
     return int(m.group(1))
 
 
-def time_steps(make, shapes, steps, warmup):
+def time_steps(make, shapes, steps, warmup, dtype=torch.float32):
+    """Median GPU time of make(params).step() in the loop users write (parameters and gradients of
+    `dtype`); shared by bench/mixed_precision_vs_torch.py."""
     torch.manual_seed(0)
-    params = [torch.randn(s, device="cuda") for s in shapes]
-    pool = [[torch.randn(s, device="cuda") * 1e-2 for s in shapes] for _ in range(2)]
+    params = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
+    pool = [[(torch.randn(s, device="cuda") * 1e-2).to(dtype) for s in shapes] for _ in range(2)]
     opt = make(params)
     times = []
     for i in range(warmup + steps):
