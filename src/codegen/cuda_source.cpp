@@ -251,7 +251,10 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   const int vec = 16 / size(narrow);  // elements per vector
   s << "  constexpr int kVec = " << vec << ";   // elements per vector (16 bytes of the narrowest role)\n"
     << "  constexpr int kUnroll = " << (all32 ? "OF_UNROLL_32" : "OF_UNROLL_16") << ";  // vectors per role per thread per pass\n"
-    << "  (void)rng;\n";
+    << "  (void)rng;\n"
+    // In a register: t is in global memory, and its fields could be reloaded after every store.
+    << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);  // the chunk's first element in the tensor\n"
+    << "  (void)rng_first;\n";
   for (int r : pr.used) s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)t.ptr[" << r << "] + begin;\n";
   // The vector path needs a head (elements before it) after which every role is 16-byte aligned.
   s << "  int head = (int)(((16u - (unsigned)((unsigned long long)" << nm(narrow) << "_p & 15u)) & 15u) / " << size(narrow)
@@ -264,8 +267,8 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   auto store1 = [&](int r, const std::string& idx) {
     std::ostringstream o;
     if (var[static_cast<size_t>(r)].stochastic)
-      o << "of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "], of_rng_bits(rng, (unsigned long long)(t.rng_offset + begin + "
-        << idx << "), " << r << "))";
+      o << "of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "], of_rng_bits(rng, rng_first + (unsigned long long)(" << idx << "), " << r
+        << "))";
     else
       o << "of_store1<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "])";
     return o.str();
@@ -305,7 +308,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   for (int r : pr.writes) {
     if (var[static_cast<size_t>(r)].stochastic)
       s << "          of_set_lane_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
-        << "], of_rng_bits(rng, (unsigned long long)(t.rng_offset + begin + head + (long long)vi * kVec + e), " << r << "));\n";
+        << "], of_rng_bits(rng, rng_first + (unsigned long long)(head + vi * kVec + e), " << r << "));\n";
     else
       s << "          of_set_lane<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r << "]);\n";
   }
