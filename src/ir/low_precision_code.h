@@ -9,8 +9,8 @@
 // OF_FN is the dialect's function qualifier (inline on the host, __device__ on CUDA).
 //
 // Stochastic rounding. The random bits of one store are a counter-based hash of (tensor key,
-// element index, step, role): splitmix64 of (key, step) once per chunk, a 32-bit hash per element
-// and one multiply per role: no generator state, the same bits on
+// element index, step, role): splitmix64 of (key, step) once per chunk, then a 32-bit hash per
+// element and pair of roles (16 bits each; float16 takes 24, so a pair overlaps in 8 of them): no generator state, the same bits on
 // every backend, for any thread, block or chunk count, and for any cut of a tensor into shards
 // (an element's index is its index in the whole tensor: rng_offset + position).
 //   of_rng_base(key, step)      once per chunk: the tensor's stream at this step
@@ -39,26 +39,26 @@
     return of_mix64(key ^ of_mix64(step + 0x9e3779b97f4a7c15ull));                                 \
   }                                                                                                \
   OF_FN unsigned of_rng_element(unsigned long long base, unsigned long long element) {               \
-    /* 32-bit arithmetic only (a 64-bit multiply is several instructions on a GPU): the element */ \
-    /* enters through odd multipliers (a bijection of its low 32 bits), lowbias32 mixes. */         \
-    unsigned x = (unsigned)base ^ ((unsigned)element * 0x9e3779b1u) ^                              \
-                 ((unsigned)(element >> 32) * 0x85ebca77u) ^ (unsigned)(base >> 32);                \
+    /* 32-bit arithmetic only (a 64-bit multiply is several instructions on a GPU): two odd */      \
+    /* multipliers and three xor-shifts */                                                          \
+    unsigned x = ((unsigned)element ^ (unsigned)base) * 0x9e3779b1u +                              \
+                 ((unsigned)(element >> 32) ^ (unsigned)(base >> 32));                              \
     x ^= x >> 16;                                                                                  \
-    x *= 0x7feb352du;                                                                              \
-    x ^= x >> 15;                                                                                  \
-    x *= 0x846ca68bu;                                                                              \
-    return x ^ (x >> 16);                                                                          \
+    x *= 0x85ebca6bu;                                                                              \
+    return x ^ (x >> 13);                                                                          \
   }                                                                                                \
   OF_FN unsigned of_rng_bits(unsigned long long base, unsigned long long element, int role) {      \
-    /* one element hash (the compiler shares it between the roles of an element), one multiply */  \
-    /* per role */                                                                                 \
-    unsigned x = (of_rng_element(base, element) ^ ((unsigned)role * 0x9e3779b9u)) * 0x85ebca6bu;   \
-    return x ^ (x >> 15);                                                                          \
+    /* roles 2k and 2k+1 share hash k (the compiler computes it once per element): role 2k */      \
+    /* rounds with its low 16 bits, role 2k+1 with its high 16 (rotated into the low half) */      \
+    unsigned x = of_rng_element(base + (unsigned long long)(role >> 1) * 0x632be59bd9b4e019ull, element); \
+    return (role & 1) ? ((x >> 16) | (x << 16)) : x;                                               \
   }                                                                                                \
   OF_FN unsigned short of_float_to_bf16_sr(float f, unsigned r) {                                  \
     unsigned u = of_f2u(f);                                                                        \
-    if ((u & 0x7f800000u) == 0x7f800000u) return of_float_to_bf16(f); /* inf, NaN */              \
-    u += r & 0xffffu; /* a carry rounds the magnitude up (past the largest finite: inf) */       \
+    /* NaN: quiet, as nearest rounding makes it; otherwise add 16 random bits below the kept */   \
+    /* ones (inf has none, so it stays inf; a carry rounds the magnitude up, past the largest */   \
+    /* finite to inf) */                                                                           \
+    u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + (r & 0xffffu);                      \
     return (unsigned short)(u >> 16);                                                              \
   }                                                                                                \
   OF_FN unsigned short of_float_to_f16_sr(float f, unsigned r) {                                   \
