@@ -25,6 +25,9 @@
 //   clip_by_global_norm_ratio  max_norm=1.0         (u / max(global_norm / max_norm, 1): timm's Lamb clipping)
 //   scale_by_lamb           as lamb below, less max_grad_norm (per-tensor trust ratio ||p|| / ||update||)
 //   scale_by_lars           trust_coeff=0.001 eps=1e-8 weight_decay=0 trust_clip=false always_adapt=false lr=1.0
+//   scale_by_ademamix       b1=0.9 b2=0.999 b3=0.9999 alpha=2 t_alpha=0 t_beta3=0 eps=1e-8
+//                                                    (AdEMAMix's mixed fast/slow EMA update, without lr;
+//                                                    t_alpha, t_beta3: warm-up steps of alpha and b3, 0 = none)
 //   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
 //   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
 //   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
@@ -39,6 +42,8 @@
 //   lamb     lr=1e-3 bias_correction=true betas=(0.9,0.999) eps=1e-6 weight_decay=0.01 grad_averaging=true
 //            max_grad_norm=1.0 (0: none) trust_clip=false always_adapt=false decoupled_decay=false max_lr=0
 //            (timm.optim.Lamb; max_lr > 0 is its corrected_weight_decay with max_lr_snapshot)
+//   ademamix lr=1e-3 betas=(0.9,0.999,0.9999) alpha=2 t_beta3=0 t_alpha=0 eps=1e-8 weight_decay=0
+//            (apple/ml-ademamix's AdEMAMix: p -= lr * (update + weight_decay * p); b1=, b2=, b3= also accepted)
 //   lars     lr=1.0 momentum=0 dampening=0 weight_decay=0 nesterov=false trust_coeff=0.001 eps=1e-8
 //            trust_clip=false always_adapt=false (timm.optim.Lars)
 #pragma once
@@ -88,6 +93,7 @@ inline Chain adamax(const Args& a = {}) { return make_builtin("adamax", a); }
 inline Chain adadelta(const Args& a = {}) { return make_builtin("adadelta", a); }
 inline Chain rprop(const Args& a = {}) { return make_builtin("rprop", a); }
 inline Chain asgd(const Args& a = {}) { return make_builtin("asgd", a); }
+inline Chain ademamix(const Args& a = {}) { return make_builtin("ademamix", a); }
 inline Chain clip_by_global_norm(double max_norm) { return make_builtin("clip_by_global_norm", {{"max_norm", max_norm}}); }
 
 }  // namespace optfuse

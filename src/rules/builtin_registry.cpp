@@ -1,5 +1,6 @@
 // Names -> built-in rules and named optimizers, with argument schemas (kinds, defaults, order) so
 // that C++ callers, SPEC text and the Python package all get the same names, defaults and errors.
+#include <algorithm>
 #include <functional>
 
 #include "optfuse/builtin_rules.h"
@@ -225,6 +226,25 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           return Chain{rules::averaged_sgd(a.num("lr"), a.num("lambd"), a.num("alpha"), a.num("t0"))};
         }}},
+      {"scale_by_ademamix",
+       {{{"b1", 0.9}, {"b2", 0.999}, {"b3", 0.9999}, {"alpha", 2.0}, {"t_alpha", 0.0}, {"t_beta3", 0.0}, {"eps", 1e-8}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_ademamix(a.num("b1"), a.num("b2"), a.num("b3"), a.num("alpha"), a.num("t_alpha"),
+                                                a.num("t_beta3"), a.num("eps"))};
+        }}},
+      // AdEMAMix as its reference implementation (apple/ml-ademamix): betas=(b1, b2, b3); the
+      // warm-ups t_beta3 / t_alpha (its beta3_warmup / alpha_warmup; 0 for its None: no warm-up);
+      // weight decay added to the update before lr scales it (p -= lr * (update + wd * p)).
+      {"ademamix",
+       {{{"lr", 1e-3}, {"betas", {0.9, 0.999, 0.9999}}, {"alpha", 2.0}, {"t_beta3", 0.0}, {"t_alpha", 0.0},
+         {"eps", 1e-8}, {"weight_decay", 0.0}},
+        [](const Resolved& a) {
+          Chain c{rules::scale_by_ademamix(a.beta(0), a.beta(1), a.beta(2), a.num("alpha"), a.num("t_alpha"),
+                                           a.num("t_beta3"), a.num("eps"))};
+          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
       {"radam",
        {{{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"decoupled_weight_decay", false},
          {"maximize", false}},
@@ -306,12 +326,15 @@ Chain make_builtin(const std::string& name, const Args& args) {
     known.push_back(p.name);
     r.v[p.name] = p.def;
   }
-  bool has_betas = r.v.count("betas") > 0;
-  if (has_betas) known.insert(known.end(), {"b1", "b2"});
+  // betas: two numbers (Adam's), or three (AdEMAMix's); b1=, b2= (b3=) are accepted for them.
+  const size_t num_betas = r.v.count("betas") ? r.v["betas"].pair.size() : 0;
+  const std::vector<std::string> beta_names = {"b1", "b2", "b3"};
+  for (size_t i = 0; i < num_betas; ++i) known.push_back(beta_names[i]);
   for (auto& [key, val] : args) {
-    if (has_betas && (key == "b1" || key == "b2")) {  // b1=, b2= as an alternative to betas=(..)
+    auto beta = std::find(beta_names.begin(), beta_names.begin() + static_cast<std::ptrdiff_t>(num_betas), key);
+    if (beta != beta_names.begin() + static_cast<std::ptrdiff_t>(num_betas)) {  // b1= ... as an alternative to betas=(..)
       if (val.kind != ArgValue::Kind::Number) throw Error(name + ": " + key + " must be a number");
-      r.v["betas"].pair.at(key == "b1" ? 0 : 1) = val.number;
+      r.v["betas"].pair.at(static_cast<size_t>(beta - beta_names.begin())) = val.number;
       continue;
     }
     auto it = r.v.find(key);
@@ -321,10 +344,13 @@ Chain make_builtin(const std::string& name, const Args& args) {
     ArgValue v = val;
     if (it->second.kind == ArgValue::Kind::Number && v.kind == ArgValue::Kind::Bool)
       throw Error(name + ": " + key + " must be " + kind_name(ArgValue::Kind::Number) + ", got a boolean");
+    const bool triple = it->second.kind == ArgValue::Kind::Pair && it->second.pair.size() == 3;
     if (v.kind != it->second.kind)
-      throw Error(name + ": " + key + " must be " + kind_name(it->second.kind));
-    if (v.kind == ArgValue::Kind::Pair && v.pair.size() != 2)
-      throw Error(name + ": " + key + " must be a pair of two numbers, got " + std::to_string(v.pair.size()));
+      throw Error(name + ": " + key + " must be " +
+                  (triple ? std::string("three numbers like (0.9, 0.999, 0.9999)") : kind_name(it->second.kind)));
+    if (v.kind == ArgValue::Kind::Pair && v.pair.size() != it->second.pair.size())
+      throw Error(name + ": " + key + " must be " + (triple ? "three numbers" : "a pair of two numbers") + ", got " +
+                  std::to_string(v.pair.size()));
     it->second = v;
   }
   for (auto& p : b.params)

@@ -4,6 +4,8 @@
 // match torch to rounding. `u` is the incoming update: the gradient for the first rule of a chain.
 #include "rules/builtin_rules.h"
 
+#include <cmath>
+
 #include "optfuse/error.h"
 #include "rules/moments.h"
 
@@ -298,6 +300,51 @@ Rule averaged_sgd(double lr, double lambd, double alpha, double t0) {
     Expr ax = b.state("ax");
     b.set_state("ax", select(mu != 1.0, ax + (param_new - ax) * mu, param_new));
     return update;
+  });
+}
+
+// AdEMAMix (Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older",
+// Algorithm 1, and its reference implementation apple/ml-ademamix), without lr and weight decay
+// (the named optimizer adds both after this rule: p -= lr * (update + wd * p), the paper's line
+// 11 and the reference's order). Three EMAs of the incoming update u:
+//   exp_avg_fast = b1 exp_avg_fast + (1-b1) u          (m1, bias-corrected by 1 - b1^t)
+//   exp_avg_slow = b3_t exp_avg_slow + (1-b3_t) u      (m2, not bias-corrected)
+//   exp_avg_sq   = b2 exp_avg_sq + (1-b2) u^2          (nu, bias-corrected by 1 - b2^t)
+//   update = (exp_avg_fast / (1 - b1^t) + alpha_t exp_avg_slow) / (sqrt(exp_avg_sq) / sqrt(1 - b2^t) + eps)
+// The warm-ups are uniform functions of the step, so t_alpha and t_beta3 are hyperparameters like
+// any other (0 turns a warm-up off, as the reference's None: the warm-up branch needs t < T):
+//   alpha_t = (t / T_alpha) alpha                       while t < T_alpha, else alpha
+//   b3_t    = f^-1((1 - a) f(b1) + a f(b3)), a = t / T_beta3   while t < T_beta3, else b3
+// with f(b) = ln(0.5) / ln(b + 1e-8) - 1 (the half-life of an EMA of factor b, less one) and
+// f^-1(x) = 0.5^(1 / (x + 1)): the paper's beta3 scheduler, linear in half-life from b1 to b3.
+// The moments are written as the reference's mul_(b).add_(u, alpha=1-b) (not lerp).
+Rule scale_by_ademamix(double b1, double b2, double b3, double alpha, double t_alpha, double t_beta3, double eps) {
+  Rule r("scale_by_ademamix");
+  r.hyper("b1", b1, kBeta).hyper("b2", b2, kBeta).hyper("b3", b3, kBeta);
+  r.hyper("alpha", alpha, Range::non_negative());
+  r.hyper("t_alpha", t_alpha, Range::non_negative()).hyper("t_beta3", t_beta3, Range::non_negative());
+  r.hyper("eps", eps, Range::non_negative());
+  r.state("exp_avg_fast").state("exp_avg_slow").state("exp_avg_sq");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), t = b.step();
+    Expr b1 = b.hyper("b1"), b2 = b.hyper("b2"), b3 = b.hyper("b3");
+    Expr t_alpha = b.hyper("t_alpha"), t_beta3 = b.hyper("t_beta3");
+    // Warm-ups (uniform, float64). The branch not taken may be inf/NaN (T = 0): select drops it.
+    Expr alpha = b.name(select(t < t_alpha, (t / t_alpha) * b.hyper("alpha"), b.hyper("alpha")), "alpha_t");
+    auto half_life = [](Expr beta) { return std::log(0.5) / log(beta + 1e-8) - 1.0; };
+    Expr a = t / t_beta3;
+    Expr b3_warm = pow(0.5, 1.0 / (((1.0 - a) * half_life(b1) + a * half_life(b3)) + 1.0));
+    Expr b3_t = b.name(select(t < t_beta3, b3_warm, b3), "beta3_t");
+    Expr m1 = b.name(b.state("exp_avg_fast") * b1 + (1.0 - b1) * u, "exp_avg_fast_new");
+    Expr m2 = b.name(b.state("exp_avg_slow") * b3_t + (1.0 - b3_t) * u, "exp_avg_slow_new");
+    Expr nu = new_exp_avg_sq(b, u, b2);
+    b.set_state("exp_avg_fast", m1);
+    b.set_state("exp_avg_slow", m2);
+    b.set_state("exp_avg_sq", nu);
+    Expr bc1 = b.name(1.0 - pow(b1, t), "bias_correction1");
+    Expr bc2_sqrt = b.name(sqrt(1.0 - pow(b2, t)), "bias_correction2_sqrt");
+    Expr denom = b.name(sqrt(nu) / bc2_sqrt + b.hyper("eps"), "denom");
+    return (m1 / bc1 + alpha * m2) / denom;
   });
 }
 

@@ -100,6 +100,9 @@ const std::vector<CpuCase>& cases() {
       {"lamb(lr=0.1, weight_decay=0.1, decoupled_decay=true, max_lr=0.2)"},
       {"lars(lr=0.5, weight_decay=0.1, momentum=0.9)"},
       {"lars(lr=0.5, weight_decay=0.01, momentum=0.9, nesterov=true, trust_clip=true)"},
+      // AdEMAMix: three moments, warm-ups of alpha and b3 as uniform functions of the step.
+      {"ademamix(lr=0.01)"},
+      {"ademamix(lr=0.01, betas=(0.8, 0.9, 0.99), alpha=5.0, t_alpha=3, t_beta3=5, weight_decay=0.1)"},
   };
   return c;
 }

@@ -9,7 +9,8 @@ from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
 from ._muon import Muon, MuonWithAuxAdam  # noqa: F401
-from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, Lion, RAdam, RMSprop, Rprop  # noqa: F401
+from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, RAdam, RMSprop,  # noqa: F401
+                          Rprop)
 
-__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion",
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion", "AdEMAMix",
            "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]

@@ -1,5 +1,5 @@
 """Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
-Rprop, ASGD, and Lion (as lion-pytorch), built from optfuse's registry of named optimizers (the
+Rprop, ASGD, Lion (as lion-pytorch) and AdEMAMix (as apple/ml-ademamix), built from optfuse's registry of named optimizers (the
 same chains as C++ and SPEC text). Constructor arguments, defaults and validation are torch's own:
 each class asks the torch class it replaces for its defaults dict, so param_groups and state_dict
 have exactly torch's keys for the installed torch version (`foreach`, `fused` and `capturable` are
@@ -330,6 +330,70 @@ class Rprop(FusedOptimizer):
         etaminus, etaplus = g["etas"]
         lo, hi = g["step_sizes"]
         return {"lr": g["lr"], "etaminus": etaminus, "etaplus": etaplus, "step_size_min": lo, "step_size_max": hi}
+
+
+def _warmup_steps(name, v):
+    """A warm-up length: None (no warm-up, 0 for the kernel) or a number of steps >= 0."""
+    if v is None:
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+        raise ValueError(f"Invalid {name} value: {v!r} (None or a number of steps >= 0)")
+    return float(v)
+
+
+class AdEMAMix(_OptionalWeightDecay):
+    """AdEMAMix (Pagliardini, Ablin, Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older"),
+    with the arguments, defaults, param_group keys and state keys of its reference implementation
+    (apple/ml-ademamix, pytorch/ademamix.py): betas=(b1, b2, b3), alpha, beta3_warmup and
+    alpha_warmup (None: no warm-up), eps, weight_decay; state step, exp_avg_fast, exp_avg_slow,
+    exp_avg_sq. t_alpha_beta3 (keyword only) sets both warm-ups to one length, as other ports write it.
+
+    Per step t: m1 = b1 m1 + (1-b1) g; m2 = b3_t m2 + (1-b3_t) g; nu = b2 nu + (1-b2) g^2;
+    p -= lr * ((m1 / (1-b1^t) + alpha_t m2) / (sqrt(nu) / sqrt(1-b2^t) + eps) + weight_decay p),
+    with alpha_t rising linearly from 0 and b3_t from b1 (linearly in half-life) over their warm-ups.
+    Every value here is a runtime hyperparameter: changing any of them never recompiles.
+    The reference's step is a Python int; here it is a 0-dim tensor, as torch.optim's (both load)."""
+
+    _sig_keys = ("lr", "betas", "alpha", "beta3_warmup", "alpha_warmup", "eps", "weight_decay")
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 0.9999), alpha=2.0, beta3_warmup=None,
+                 alpha_warmup=None, eps=1e-8, weight_decay=0, *, t_alpha_beta3=None):
+        if t_alpha_beta3 is not None:
+            if beta3_warmup is not None or alpha_warmup is not None:
+                raise ValueError("AdEMAMix: give t_alpha_beta3 or beta3_warmup/alpha_warmup, not both")
+            beta3_warmup = alpha_warmup = t_alpha_beta3
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if len(betas) != 3:
+            raise ValueError(f"Invalid betas: {betas} (three values: b1, b2, b3)")
+        for i, b in enumerate(betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if not 0.0 <= alpha:
+            raise ValueError(f"Invalid alpha value: {alpha}")
+        _warmup_steps("beta3_warmup", beta3_warmup)
+        _warmup_steps("alpha_warmup", alpha_warmup)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, alpha=alpha, beta3_warmup=beta3_warmup,
+                                      alpha_warmup=alpha_warmup, weight_decay=weight_decay))
+
+    def _make_chain(self, key, features, groups):
+        g = groups[0]
+        b1, b2, b3 = (float(b) for b in g["betas"])
+        return _core.make_builtin("ademamix", lr=float(_plain(g["lr"])), betas=(b1, b2, b3), alpha=float(g["alpha"]),
+                                  t_beta3=_warmup_steps("beta3_warmup", g["beta3_warmup"]),
+                                  t_alpha=_warmup_steps("alpha_warmup", g["alpha_warmup"]), eps=float(g["eps"]),
+                                  weight_decay=_wd_arg(features, groups))
+
+    def _hypers(self, g):
+        b1, b2, b3 = g["betas"]
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "b3": b3, "alpha": g["alpha"], "eps": g["eps"],
+                "t_beta3": _warmup_steps("beta3_warmup", g["beta3_warmup"]),
+                "t_alpha": _warmup_steps("alpha_warmup", g["alpha_warmup"]),
+                "weight_decay": g["weight_decay"]}
 
 
 def _asgd_eta(lr, lambd, alpha, t):
