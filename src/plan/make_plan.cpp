@@ -130,8 +130,7 @@ void build_phases(Plan& plan) {
   std::vector<NodeId> roots{p.param_out};
   for (NodeId s : p.state_out) roots.push_back(s);
   up.nodes = element_closure(plan, roots);
-  fill_access(plan, up);
-  up.reads_param = true;  // param_new = param + update: the parameter is always read and written
+  fill_access(plan, up);  // reads the parameter where param_new depends on it (not beside a master copy)
   up.writes_param = true;
   for (size_t s = 0; s < p.state_out.size(); ++s) {
     const Node& n = g.node(p.state_out[s]);
@@ -298,12 +297,21 @@ std::string Plan::describe(DType storage) const {
       }
       s << ")";
     }
-    s << "\n    bytes per element: " << ph.reads() * bytes << " read + " << ph.writes() * bytes
-      << " written = " << (ph.reads() + ph.writes()) * bytes << "\n";
-    total_r += ph.reads();
-    total_w += ph.writes();
+    // Each role at its size: the storage dtype, or a precision state's fixed dtype (a float32
+    // master, an int16 remainder).
+    auto state_bytes = [&](int st) {
+      const ProgramState& ps = p.states[static_cast<size_t>(st)];
+      return static_cast<int>(ps.fixed_dtype ? dtype_size(ps.dtype) : bytes);
+    };
+    int r = (ph.reads_param ? 1 : 0) * static_cast<int>(bytes) + (ph.reads_grad ? 1 : 0) * static_cast<int>(bytes);
+    for (int st : ph.reads_states) r += state_bytes(st);
+    int w = (ph.writes_param ? 1 : 0) * static_cast<int>(bytes);
+    for (int st : ph.writes_states) w += state_bytes(st);
+    s << "\n    bytes per element: " << r << " read + " << w << " written = " << r + w << "\n";
+    total_r += r;
+    total_w += w;
   }
-  s << "  total bytes per element: " << (total_r + total_w) * bytes << "\n";
+  s << "  total bytes per element: " << total_r + total_w << "\n";
   s << "  scalars per group: " << layout.hypers_per_group << " hyperparameters, step, skip flag, "
     << layout.derived_per_group << " derived values";
   if (!derived.empty()) {

@@ -266,6 +266,18 @@ TEST(LowPrecision, KahanKeepsUpdatesBelowOneUlp) {
   EXPECT_GE(err_plain, 3.0) << "plain bfloat16 drifts away (updates below half an ulp are lost)";
 }
 
+// explain's byte count: precision states at their fixed size. bfloat16 storage with a float32
+// master: reads grad 2 + master 4 + exp_avg 2 + exp_avg_sq 2, writes param 2 + the same three.
+TEST(LowPrecision, DescribeCountsFixedDtypeStatesAtTheirSize) {
+  Precision copy, rem;
+  copy.master = MasterWeights::copy;
+  rem.master = MasterWeights::remainders;
+  EXPECT_NE(make_plan(adamw(), copy).describe(DType::bf16).find("total bytes per element: 20\n"), std::string::npos);
+  // remainders: param 2 + remainder 2 + grad 2 + states 2 + 2 read; param, remainder, states written
+  EXPECT_NE(make_plan(adamw(), rem).describe(DType::bf16).find("total bytes per element: 18\n"), std::string::npos);
+  EXPECT_NE(make_plan(adamw()).describe(DType::f32).find("total bytes per element: 28\n"), std::string::npos);
+}
+
 // ---- errors ---------------------------------------------------------------------------------
 
 std::string error_of(const std::function<void()>& f) {

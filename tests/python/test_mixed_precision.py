@@ -78,6 +78,39 @@ def test_grad_dtype_float32_gradients(device):
         assert torch.equal(oa.state[x]["master_param"], ob.state[y]["master_param"])
 
 
+def test_fp16_parameters_under_grad_scaler(device):
+    """float16 parameters with a float32 master under torch.amp.GradScaler: the scaled float16
+    gradients are unscaled in the kernel, an overflow skips the step (and halves the scale), and
+    the master follows a float32 run fed the unscaled gradients."""
+    half, ref = make_params(device, torch.float16), make_params(device, torch.float32)
+    opt = oft.AdamW(half, lr=1e-3, master_weights=True)
+    ref_opt = oft.AdamW(ref, lr=1e-3)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 10)
+    g = torch.Generator().manual_seed(5)
+    for step in range(5):
+        grads = [torch.randn(p.shape, generator=g) * 1e-2 for p in half]
+        scaler.scale(torch.zeros((), device=device))  # what scaler.scale(loss) does to its state
+        scale = scaler.get_scale()
+        for p, gr in zip(half, grads):
+            p.grad = (gr * scale).to(device=device, dtype=torch.float16)
+        if step == 2:
+            half[0].grad.view(-1)[0] = float("inf")  # an overflow: the whole step is skipped
+        before = [opt.state[p]["master_param"].clone() for p in half] if step else None
+        scaler.step(opt)
+        scaler.update()
+        if step == 2:
+            assert all(torch.equal(b, opt.state[p]["master_param"]) for b, p in zip(before, half)), "skipped"
+            assert scaler.get_scale() == scale / 2
+            continue
+        for p, gr in zip(ref, grads):
+            p.grad = ((gr * scale).to(torch.float16).float() / scale).to(p.device)  # the same (rounded) values, unscaled
+        ref_opt.step()
+    for p, r in zip(half, ref):
+        torch.testing.assert_close(opt.state[p]["master_param"], r.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.float16))
+    assert int(opt.state_dict()["state"][0]["step"]) == 4
+
+
 ALL = [
     (oft.SGD, dict(lr=0.05, momentum=0.9)), (oft.Adam, dict(lr=1e-2)), (oft.AdamW, dict(lr=1e-2)),
     (oft.Adagrad, dict(lr=0.05)), (oft.RMSprop, dict(lr=1e-3)), (oft.Lion, dict(lr=1e-3)), (oft.RAdam, dict(lr=1e-2)),
