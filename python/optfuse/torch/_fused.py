@@ -76,7 +76,14 @@ def fuse(opt):
     """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
     Rprop or ASGD, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
-    the same state tensors (taken over, not copied: keep stepping the returned optimizer only)."""
+    the same state tensors (taken over, not copied: keep stepping the returned optimizer only).
+
+    On a function written like torch's functional single-tensor optimizers
+    (torch.optim.adam._single_tensor_adam): a function with the same signature that updates all the
+    lists in one fused launch per (device, dtype) (see _fuse_fn.py)."""
+    if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
+        from ._fuse_fn import FusedFunction
+        return FusedFunction(opt)
     for i, g in enumerate(opt.param_groups):
         if g.get("differentiable"):
             raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True, which optfuse does not support")

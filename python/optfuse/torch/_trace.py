@@ -431,13 +431,19 @@ def _trace_once(opt, group, layout, b, first, forced):
 
 def _explore(opt, group, layout, b, first):
     """Every path through the symbolic branches, merged with selects into one set of expressions."""
+    return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced))
+
+
+def explore_paths(trace_once):
+    """Runs trace_once(forced) -> (param expr, {state: expr}, paths seen) down every path through the
+    symbolic branches (the outcomes in `forced` first) and merges the results with selects."""
     count = [0]
 
     def run(forced):
         count[0] += 1
         if count[0] > MAX_PATHS:
             raise TraceError(f"more than {MAX_PATHS} paths through Python branches on hyperparameters or the step")
-        param, states, seen = _trace_once(opt, group, layout, b, first, forced)
+        param, states, seen = trace_once(forced)
         return merge(forced, param, states, seen)
 
     def merge(forced, param, states, seen):
