@@ -28,6 +28,9 @@ from ._trace import _MATH, SymFloat, TraceError, _Paths, _Recorder, _symbolic_ma
 
 PROBE_ELEMENTS = 8
 PROBE_STEP = 3.0       # the step count of the probe's step tensor before the call
+# the other side of a branch on a hyperparameter that fails on the probe (indexes a list the caller
+# left empty: rmsprop's momentum buffers when momentum == 0) is unreachable for this structure
+_INFEASIBLE = (IndexError, TypeError, AttributeError)
 _REFUSED_TRUE = ("differentiable", "has_sparse_grad", "has_complex")
 
 
@@ -209,7 +212,8 @@ class FusedFunction:
 
         def update(b):
             param, states = explore_paths(lambda forced: self._trace_once(b, forced, bound, pname, gname, roles,
-                                                                          hypers, nones, step_list))
+                                                                          hypers, nones, step_list),
+                                           infeasible=_INFEASIBLE)
             for k in layout["states"]:
                 b.set_state(k, states.get(k, b.state(k)))
             b.set_param_base(param)

@@ -434,9 +434,10 @@ def _explore(opt, group, layout, b, first):
     return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced))
 
 
-def explore_paths(trace_once):
+def explore_paths(trace_once, infeasible=()):
     """Runs trace_once(forced) -> (param expr, {state: expr}, paths seen) down every path through the
-    symbolic branches (the outcomes in `forced` first) and merges the results with selects."""
+    symbolic branches (the outcomes in `forced` first) and merges the results with selects. A path
+    other than the real one that raises one of `infeasible` is taken as unreachable (no select)."""
     count = [0]
 
     def run(forced):
@@ -450,7 +451,10 @@ def explore_paths(trace_once):
         # seen[i] for i >= len(forced) were decided by real values; trace the other outcome of each
         for i in range(len(seen) - 1, len(forced) - 1, -1):
             cond, outcome = seen[i]
-            other = run([o for _, o in seen[:i]] + [not outcome])
+            try:
+                other = run([o for _, o in seen[:i]] + [not outcome])
+            except infeasible:
+                continue
             op, ost = other
             t_param, f_param = (param, op) if outcome else (op, param)
             param = _core.select(cond, t_param, f_param)
