@@ -204,3 +204,23 @@ def test_hand_written_warmup_branch():
         fused(qs, gs, bq, sq, lr=0.1, warmup=5.0, beta=0.9)
         assert _rel(qs, ps) <= TOL
     assert [t.item() for t in sq] == [10.0, 10.0] and fused.traces == 1
+
+
+def test_a_skipped_branch_side_is_checked_when_values_change():
+    """rmsprop traced with momentum == 0 and no momentum buffers: its momentum > 0 side fails on the
+    probe (an empty list) and is left out of the rule. Called later with momentum > 0 and still no
+    buffers, torch's function raises IndexError; the fused one must refuse too, not step the
+    momentum-free rule silently."""
+    ps = [torch.randn(6)]
+    sq, steps = [torch.zeros(6)], _steps(ps)
+    fused = optfuse.torch.fuse(_single_tensor_rmsprop)
+    tail = (None, None) if _accepts(_single_tensor_rmsprop, "grad_scale") else ()
+    kw = _kw(_single_tensor_rmsprop, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+             maximize=False, differentiable=False, capturable=False, has_complex=False)
+    fused(ps, [torch.randn(6)], sq, [], [], steps, *tail, **kw)
+    fused(ps, [torch.randn(6)], sq, [], [], steps, *tail, **dict(kw, lr=5e-3))  # another value, same side: fine
+    with pytest.raises(IndexError):
+        _single_tensor_rmsprop([torch.randn(6)], [torch.randn(6)], [torch.zeros(6)], [], [], _steps([torch.randn(6)]),
+                               *tail, **dict(kw, momentum=0.9))
+    with pytest.raises(OptfuseError, match="raises IndexError"):
+        fused(ps, [torch.randn(6)], sq, [], [], steps, *tail, **dict(kw, momentum=0.9))

@@ -135,6 +135,8 @@ class FusedFunction:
                                                           step_list, layout))
                 self._rules[skey] = entry
             rule, layout = entry
+            if layout.get("guarded"):
+                self._check_feasible(skey, bound, pname, gname, roles, hypers, nones_by_name, step_list)
             self._run(skey, rule, layout, device, idx, params, grads, state_lists, step_list, hyper_values)
         return None
 
@@ -191,6 +193,22 @@ class FusedFunction:
                     raise TraceError(f"the function changes the step counts in '{k}' by {delta:g}, not by 0 or 1")
         return {"states": states, "step_delta": delta}
 
+    def _check_feasible(self, skey, bound, pname, gname, roles, hypers, nones, step_list):
+        """The traced rule left out a branch side that failed on the probe (e.g. rmsprop's momentum > 0
+        side with an empty momentum list): with new hyperparameter values, the function itself runs on
+        probes first, so that where torch's function would raise, this one raises too (instead of
+        silently stepping the side it traced)."""
+        values = tuple(float(v) for v in hypers.values())
+        checked = self.__dict__.setdefault("_feasible", {})
+        if checked.get(skey) == values:
+            return
+        try:
+            self._layout(bound, pname, gname, roles, hypers, nones, step_list)
+        except _INFEASIBLE as e:
+            raise self._refuse(f"with these arguments it raises {type(e).__name__}: {e} (on probe tensors; the "
+                               "traced rule covers only the values it was traced with)") from e
+        checked[skey] = values
+
     def _guarded(self, fn):
         try:
             return fn()
@@ -210,10 +228,12 @@ class FusedFunction:
         for k in layout["states"]:
             rule.state(k, 0.0)
 
+        skipped = []
+
         def update(b):
             param, states = explore_paths(lambda forced: self._trace_once(b, forced, bound, pname, gname, roles,
                                                                           hypers, nones, step_list),
-                                           infeasible=_INFEASIBLE)
+                                           infeasible=_INFEASIBLE, skipped=skipped)
             for k in layout["states"]:
                 b.set_state(k, states.get(k, b.state(k)))
             b.set_param_base(param)
@@ -223,6 +243,9 @@ class FusedFunction:
         # build the IR now: trace errors surface here, named, not inside the engine
         _core.Optimizer(_with_unscale([rule]), "reference", 1)
         self.traces += 1
+        # A branch side skipped as unreachable holds only for these values: later calls with other
+        # hyperparameter values re-run the function on probes first (see __call__).
+        layout = dict(layout, guarded=bool(skipped))
         return rule, layout
 
     def _trace_once(self, b, forced, bound, pname, gname, roles, hypers, nones, step_list):

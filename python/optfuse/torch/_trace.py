@@ -434,10 +434,12 @@ def _explore(opt, group, layout, b, first):
     return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced))
 
 
-def explore_paths(trace_once, infeasible=()):
+def explore_paths(trace_once, infeasible=(), skipped=None):
     """Runs trace_once(forced) -> (param expr, {state: expr}, paths seen) down every path through the
     symbolic branches (the outcomes in `forced` first) and merges the results with selects. A path
-    other than the real one that raises one of `infeasible` is taken as unreachable (no select)."""
+    other than the real one that raises one of `infeasible` is taken as unreachable (no select); its
+    condition is appended to `skipped` (the caller must then check, when values change, that the
+    real path stays the one traced)."""
     count = [0]
 
     def run(forced):
@@ -454,6 +456,8 @@ def explore_paths(trace_once, infeasible=()):
             try:
                 other = run([o for _, o in seen[:i]] + [not outcome])
             except infeasible:
+                if skipped is not None:
+                    skipped.append(cond)
                 continue
             op, ost = other
             t_param, f_param = (param, op) if outcome else (op, param)
