@@ -197,3 +197,16 @@ def test_shard_ranges():
     assert shard_ranges(100, 4) == [(0, 64), (64, 100), (100, 100), (100, 100)]
     assert all((b - a) % ALIGN == 0 for a, b in shard_ranges(10 ** 6, 7)[:-1])
     assert shard_ranges(0, 2) == [(0, 0), (0, 0)]
+
+
+def test_muon_is_refused_with_the_reason():
+    """Flat shards cut matrices apart; Muon's Newton-Schulz needs them whole (refused before any
+    process group is needed)."""
+    import optfuse
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+    m = torch.nn.Linear(8, 8, bias=False)
+    for opt in (oft.Muon(m.parameters(), lr=0.02),
+                oft.MuonWithAuxAdam([{"params": list(m.parameters()), "use_muon": True}])):
+        with pytest.raises(optfuse.OptfuseError, match="orthogonalises whole matrices"):
+            ZeRO(opt)

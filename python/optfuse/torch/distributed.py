@@ -58,6 +58,11 @@ class ZeRO(torch.optim.Optimizer):
     def __init__(self, optimizer, process_group=None, stage=1):
         if stage != 1:
             raise OptfuseError(f"ZeRO: stage={stage} is not built yet (only stage=1: gradients all-reduced by DDP)")
+        from ._muon import Muon, MuonWithAuxAdam
+        if isinstance(optimizer, (Muon, MuonWithAuxAdam)):
+            # Shards are flat element ranges that cut matrices; Newton-Schulz needs each matrix whole.
+            raise OptfuseError(f"ZeRO: {type(optimizer).__name__} orthogonalises whole matrices, which ZeRO's flat "
+                               "shards cut apart; a shard owning whole matrices is not built yet (issue 12)")
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
         if not isinstance(optimizer, FusedOptimizer):
