@@ -49,3 +49,8 @@ if ! python3 -c "import timm.optim" 2>/dev/null; then
 fi
 # lion-pytorch: a third-party optimizer fuse() traces in the tests (no dependencies beyond torch).
 python3 -c "import lion_pytorch" 2>/dev/null || { echo "setup: installing Python packages: lion-pytorch"; python3 -m pip install -q lion-pytorch; }
+# pytorch-optimizer and schedulefree: more third-party optimizers fuse() is checked against (match or
+# refused). Their only dependencies (torch, numpy, typing-extensions) come with torch, so they are
+# installed with --no-deps: installing them must never move torch to another version.
+python3 -c "import pytorch_optimizer" 2>/dev/null || { echo "setup: installing Python packages: pytorch-optimizer"; python3 -m pip install -q --no-deps pytorch-optimizer; }
+python3 -c "import schedulefree" 2>/dev/null || { echo "setup: installing Python packages: schedulefree"; python3 -m pip install -q --no-deps schedulefree; }

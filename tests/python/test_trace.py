@@ -217,6 +217,89 @@ def test_third_party_optimizers_match_or_are_refused(device):
     assert must_match & {n for n, _ in THIRD_PARTY} <= set(matched)
 
 
+# pytorch-optimizer and schedulefree (issue 13): element-wise classes from a package optfuse was not
+# written against. Each is built with foreach=False where it takes it (the per-parameter path).
+PYTORCH_OPTIMIZER_CLASSES = ("AdaBelief", "AdaBound", "AdaDelta", "AdaMax", "AdaMod", "AdaNorm", "AdaPNM", "AdamP",
+                             "AdamW", "Adan", "ADOPT", "AccSGD", "DiffGrad", "Grams", "Kate", "LaProp", "Lion",
+                             "MADGRAD", "PNM", "Prodigy", "QHAdam", "SGDW", "SignSGD", "Tiger", "Yogi")
+SCHEDULEFREE_CLASSES = ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")
+
+
+def _with_foreach_off(cls, **kw):
+    if "foreach" in inspect.signature(cls).parameters:
+        kw["foreach"] = False
+    return kw
+
+
+def _schedulefree(cls, ps, kw):
+    opt = cls(ps, **kw)
+    opt.train()  # schedulefree refuses to step outside train mode
+    return opt
+
+
+def _pyopt_cases():
+    cases = []
+    try:
+        import pytorch_optimizer as P
+    except ImportError:
+        P = None
+    for n in PYTORCH_OPTIMIZER_CLASSES if P is not None else ():
+        cls = getattr(P, n, None)
+        if cls is not None:
+            cases.append((f"pytorch_optimizer.{n}", lambda ps, c=cls: c(ps, **_with_foreach_off(c, lr=1e-2))))
+    try:
+        import schedulefree as S
+    except ImportError:
+        S = None
+    for n in SCHEDULEFREE_CLASSES if S is not None else ():
+        cls = getattr(S, n, None)
+        if cls is not None:
+            cases.append((f"schedulefree.{n}",
+                          lambda ps, c=cls: _schedulefree(c, ps, _with_foreach_off(c, lr=1e-2))))
+    return cases
+
+
+PYOPT = _pyopt_cases()
+
+
+@pytest.mark.skipif(not PYOPT, reason="neither pytorch-optimizer nor schedulefree is installed (scripts/setup.sh installs both)")
+def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
+    """Each class either matches its original over 20 steps (new gradients each step, within the
+    tolerance relative to the parameter scale, and the parameters really moved) or fuse() / the first
+    fused step raises an OptfuseError naming the class and why. The table is printed (pytest -s); the
+    classes observed to match must keep matching."""
+    outcome = {}
+    for name, make in PYOPT:
+        cls = name.split(".")[-1]
+        model = make_model(device)
+        ref_model = twin(model)
+        start = twin(model)
+        try:
+            ours = oft.fuse(make(model.parameters()))
+            train(model, ours, 1, device)
+        except optfuse.OptfuseError as e:
+            msg = str(e)
+            assert cls in msg and "cannot be fused: " in msg, msg  # names the class ...
+            assert msg.split("cannot be fused: ", 1)[1].strip(), msg  # ... and gives a reason
+            outcome[name] = "refused: " + msg.split("cannot be fused: ", 1)[1]
+            continue
+        ref = make(ref_model.parameters())
+        train(ref_model, ref, 1, device)
+        train(model, ours, STEPS - 1, device, start=1)
+        train(ref_model, ref, STEPS - 1, device, start=1)
+        d = rel_diff(model, ref_model)
+        assert d <= tol(device), f"{name}: fused differs from the original after {STEPS} steps by {d:.3g}"
+        assert rel_diff(start, ref_model) > 1e-3, f"{name}: the original did not move the parameters"
+        outcome[name] = f"match (max rel diff {d:.2g})"
+    width = max(map(len, outcome))
+    print("\n" + "\n".join(f"{n:<{width}}  {o}" for n, o in outcome.items()))
+    matched = {n for n, o in outcome.items() if o.startswith("match")}
+    print(f"matching: {len(matched)}, refused: {len(outcome) - len(matched)}")
+    must_match = {"pytorch_optimizer.AdamW", "pytorch_optimizer.AdaDelta", "pytorch_optimizer.Kate",
+                  "pytorch_optimizer.SGDW"}
+    assert must_match & set(outcome) <= matched
+
+
 class GroupCounter(torch.optim.Optimizer):
     """Keeps its step as a tensor in the param group (as timm does): tracing must not advance it."""
 
