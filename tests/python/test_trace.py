@@ -296,7 +296,8 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
     matched = {n for n, o in outcome.items() if o.startswith("match")}
     print(f"matching: {len(matched)}, refused: {len(outcome) - len(matched)}")
     must_match = {"pytorch_optimizer.AdamW", "pytorch_optimizer.AdaDelta", "pytorch_optimizer.Kate",
-                  "pytorch_optimizer.SGDW"}
+                  "pytorch_optimizer.SGDW", "pytorch_optimizer.AccSGD", "pytorch_optimizer.Lion",
+                  "pytorch_optimizer.Tiger"}
     assert must_match & set(outcome) <= matched
 
 
@@ -334,3 +335,25 @@ def test_tracing_leaves_the_original_untouched(make):
     for g, before in zip(opt.param_groups, groups):
         for k, v in before.items():
             assert torch.equal(g[k], v) if torch.is_tensor(v) else g[k] == v, k
+
+
+def test_multi_tensor_ops_are_refused_not_dropped():
+    """A torch._foreach_* op returns a list (None in place): left unrecorded it would drop its effect
+    from the rule, and an effect below the verification tolerance would pass unseen. It is refused."""
+    class Decay(torch.optim.Optimizer):
+        def __init__(self, ps, f):
+            super().__init__(ps, dict(lr=0.01, f=f))
+
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                ps = [p for p in g["params"] if p.grad is not None]
+                torch._foreach_mul_(ps, 1 - g["f"])
+                for p in ps:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+    model = make_model("cpu")
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(optfuse.OptfuseError, match="_foreach_mul_.*foreach=False"):
+        oft.fuse(Decay(model.parameters(), 1e-7)).step()

@@ -185,7 +185,13 @@ class _Recorder(TorchFunctionMode):
         name = getattr(func, "__name__", str(func))
         if name in ("__getitem__", "__setitem__", "index_put_", "masked_fill_", "scatter_", "index_copy_"):
             raise TraceError(f"indexing ('{name}') at {_where()} is not traceable: the update must be element-wise")
+        if name.startswith("_foreach_"):
+            # a multi-tensor op returns a list (or None in place): it would escape the recorder unseen
+            raise TraceError(f"torch.{name} at {_where()} (a multi-tensor op) is not traceable; construct the "
+                             "optimizer with foreach=False so that its step runs per parameter")
         out = func(*args, **kwargs)
+        if isinstance(out, (list, tuple)) and any(torch.is_tensor(o) for o in out):
+            raise TraceError(f"torch op '{name}' at {_where()} returns several tensors: not traceable")
         if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
             return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
         return self.record(name, args, kwargs, out, _where())
@@ -201,6 +207,10 @@ class _Recorder(TorchFunctionMode):
             base = base[1:]
         if base.endswith("_") and base not in ("copy_",):
             base = base[:-1]
+        def arg(i, key, default=None):
+            """Argument i, given by position or by its keyword (torch's name for it)."""
+            return args[i] if len(args) > i else kw.get(key, default)
+
         E = lambda i: self.of(args[i], where)  # noqa: E731
 
         def kind(*ks):
@@ -239,21 +249,21 @@ class _Recorder(TorchFunctionMode):
         if base in unary and len(args) >= 1:
             e, k = E(0)
             res, rk = unary[base](e), k
-        elif base in binary and len(args) >= 2:
+        elif base in binary and (len(args) >= 2 or "other" in kw or "exponent" in kw):
             if base in ("div", "truediv", "divide") and kw.get("rounding_mode") is not None:
                 raise TraceError(f"division with rounding_mode at {where} is not traceable")
-            (x, kx), (y, ky) = E(0), E(1)
+            (x, kx), (y, ky) = E(0), self.of(arg(1, "exponent" if base == "pow" else "other"), where)
             alpha = kw.get("alpha")
             if alpha is not None and base in ("add", "sub"):
                 y = self.of(alpha, where)[0] * y
             res, rk = binary[base](x, y), kind(kx, ky)
         elif base in ("addcmul", "addcdiv"):
-            (x, kx), (t1, k1), (t2, k2) = E(0), E(1), E(2)
-            v = self.of(kw.get("value", args[3] if len(args) > 3 else 1.0), where)[0]
+            (x, kx), (t1, k1), (t2, k2) = E(0), self.of(arg(1, "tensor1"), where), self.of(arg(2, "tensor2"), where)
+            v = self.of(arg(3, "value", 1.0), where)[0]
             res = x + (v * t1) * t2 if base == "addcmul" else x + (v * t1) / t2
             rk = kind(kx, k1, k2)
         elif base == "lerp":
-            (x, kx), (y, ky), (w, kw_) = E(0), E(1), E(2)
+            (x, kx), (y, ky), (w, kw_) = E(0), self.of(arg(1, "end"), where), self.of(arg(2, "weight"), where)
             res, rk = _core.lerp(x, y, w), kind(kx, ky, kw_)
         elif base in ("clamp", "clip", "clamp_min", "clamp_max"):
             e, k = E(0)
@@ -266,7 +276,8 @@ class _Recorder(TorchFunctionMode):
                 res = _core.min(res, self.of(hi, where)[0])
             rk = k
         elif base == "where":
-            (c, kc), (x, kx), (y, ky) = E(0), E(1), E(2)
+            (c, kc), (x, kx), (y, ky) = (self.of(arg(0, "condition"), where), self.of(arg(1, "input"), where),
+                                         self.of(arg(2, "other"), where))
             res, rk = _core.select(c, x, y), kind(kc, kx, ky)
         elif base in ("zeros_like", "ones_like", "full_like", "empty_like"):
             e, k = E(0)
