@@ -1,0 +1,25 @@
+// What the binding files share: nanobind, the functions one file uses from another, and the
+// registration function of each file (python/bindings/module.cpp calls them).
+#pragma once
+#include <nanobind/nanobind.h>
+
+#include <string>
+
+#include "optfuse/rule.h"
+
+namespace nb = nanobind;
+
+namespace optfuse::py {
+
+std::string type_name_of(nb::handle h);
+// A Python int or float (bool included, as Python counts it).
+bool is_number(nb::handle h);
+// A Python chain (a list of optfuse.Rule, lists of them, or SPEC text) as a Chain.
+Chain to_chain(nb::handle h);
+
+// Expr, RuleBuilder, Range, Rule, chains and built-ins, plans and explain (rules.cpp).
+void bind_rules(nb::module_& m);
+// Optimizer and _GradWatch (optimizer.cpp).
+void bind_optimizer(nb::module_& m);
+
+}  // namespace optfuse::py

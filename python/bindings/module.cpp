@@ -1,0 +1,71 @@
+// optfuse._core: the Python bindings of the C++ library (nanobind). No libtorch: arrays arrive
+// through DLPack (nb::ndarray: NumPy, torch, CuPy, ... on CPU or CUDA), or, for the torch front end
+// (optfuse/torch), as data pointers the Python side has already checked, so that rebuilding the
+// tensor table for thousands of tensors does not pay a DLPack export per tensor.
+//
+// Files: module.cpp (this: the module, its errors), rules.cpp (Expr and RuleBuilder for rules
+// written in Python; Range, Rule, chains, built-ins; plans and explain), optimizer.cpp (Optimizer;
+// GradWatch, the per-step check of the torch front end).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "bindings/common.h"
+#include "optfuse/dtype.h"
+#include "optfuse/error.h"
+
+using namespace nb::literals;
+using namespace optfuse;
+
+namespace optfuse::py {
+
+std::string type_name_of(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+bool is_number(nb::handle h) { return PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()); }
+
+}  // namespace optfuse::py
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Errors: optfuse::BackendUnavailable -> optfuse.BackendUnavailable (RuntimeError),
+// any other optfuse::Error -> optfuse.OptfuseError (a ValueError, and a RuntimeError too: torch
+// raises RuntimeError for what a refused step or CUDA graph capture is, so callers catch either).
+
+PyObject* g_error = nullptr;
+PyObject* g_backend_unavailable = nullptr;
+
+void translate_errors(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const BackendUnavailable& e) {
+    PyErr_SetString(g_backend_unavailable, e.what());
+  } catch (const Error& e) {
+    PyErr_SetString(g_error, e.what());
+  }
+}
+
+std::string type_name_of(nb::handle h) { return nb::type_name(h.type()).c_str(); }
+bool is_number(nb::handle h) { return PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr()); }
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "optfuse C++ core (nanobind)";
+  // A Rule holds its Python update function inside a std::function, out of the garbage collector's
+  // sight, so a rule defined at module level (function -> module globals -> rule) stays alive until
+  // exit, and nanobind would report it as a leak. That is expected, not a reference-count bug.
+  nb::set_leak_warnings(false);
+
+  nb::object error_bases = nb::make_tuple(nb::handle(PyExc_ValueError), nb::handle(PyExc_RuntimeError));
+  g_error = PyErr_NewExceptionWithDoc("optfuse.OptfuseError",
+                                      "Bad input to optfuse: an unknown name, an invalid value, mismatched tensors.",
+                                      error_bases.ptr(), nullptr);
+  g_backend_unavailable = PyErr_NewExceptionWithDoc(
+      "optfuse.BackendUnavailable", "The backend cannot run here (no GPU, driver, NVRTC or host compiler).",
+      PyExc_RuntimeError, nullptr);
+  m.attr("OptfuseError") = nb::handle(g_error);
+  m.attr("BackendUnavailable") = nb::handle(g_backend_unavailable);
+  nb::register_exception_translator(translate_errors, nullptr);
+
+  optfuse::py::bind_rules(m);
+  optfuse::py::bind_optimizer(m);
+  m.def("parse_dtype", [](const std::string& s) { return static_cast<int>(parse_dtype(s)); }, "name"_a);
+}
