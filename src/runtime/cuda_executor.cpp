@@ -237,8 +237,7 @@ class CudaExecutor : public Executor {
       std::vector<StorageVariant> old = variants_;
       variants_ = variants;
       try {
-        compile();
-        compute_grid();  // register counts may differ
+        compile();  // (the grid, which depends on register counts, is computed below)
       } catch (...) {
         variants_ = old;
         throw;

@@ -24,6 +24,7 @@
 #include "optfuse/optimizer.h"
 #include "testing/precision_cases.h"
 #include "testing/tensor_set.h"
+#include "testing/error_of.h"
 
 namespace optfuse {
 namespace {
@@ -280,14 +281,7 @@ TEST(LowPrecision, DescribeCountsFixedDtypeStatesAtTheirSize) {
 
 // ---- errors ---------------------------------------------------------------------------------
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 TEST(LowPrecision, BadCombinationsAreClearErrors) {
   Chain c = adamw();

@@ -19,6 +19,7 @@
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
+#include "testing/error_of.h"
 
 namespace optfuse {
 namespace {
@@ -196,12 +197,7 @@ Host make_host(size_t n, size_t states, float seed) {
 }
 
 std::string set_tensors_error(Optimizer& opt, const std::vector<TensorRef>& t) {
-  try {
-    opt.set_tensors(t);
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
+  return testing::error_of([&] { opt.set_tensors(t); });
 }
 
 void bad_sets_change_nothing(Backend backend) {
@@ -273,14 +269,7 @@ TEST(TensorErrors, BadSetsChangeNothingCpu) { bad_sets_change_nothing(Backend::c
 // ---------------------------------------------------------------------------------------------
 // Groups.
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "<no error>";
-}
+using testing::error_of;
 
 TEST(GroupErrors, AGroupThatDoesNotExist) {
   Optimizer opt(sgd(), Backend::reference, 2);

@@ -174,6 +174,12 @@ def make_scheduler(kind, opt, t_max=STEPS):
 @pytest.mark.parametrize("sched", ["StepLR", "CosineAnnealingLR"])
 @pytest.mark.parametrize("case", RICH_CASES, ids=[case_id(c) for c in RICH_CASES])
 def test_training_loop_with_lr_scheduler(case, sched, device):
+    check_training_loop_with_lr_scheduler(case, sched, device)
+
+
+def check_training_loop_with_lr_scheduler(case, sched, device):
+    """Ours and torch's (foreach=False) under the same scheduler: the same lrs, the same training
+    (shared with test_training_loop_dropins.py)."""
     name, kw = case
     model = make_model(device)
     start, ref_model = twin(model), twin(model)

@@ -11,9 +11,10 @@ import pytest
 
 import optfuse.torch as oft
 from optfuse.torch._optimizers import _solve_eta_lr
-from conftest import make_model, twin
-from test_training_loop import (STEPS, _drop_some_grads, assert_same_training, check_scheduler_fills_a_tensor_lr,
-                                loop, loss_with_holes, make_holey_model, make_scheduler, torch_cls, torch_run)
+from conftest import twin
+from test_training_loop import (STEPS, _drop_some_grads, assert_same_training, case_id,
+                                check_scheduler_fills_a_tensor_lr, check_training_loop_with_lr_scheduler, loop,
+                                loss_with_holes, make_holey_model, make_scheduler, torch_cls, torch_run)
 
 CASES = [
     ("RAdam", dict(lr=1e-2, weight_decay=0.1)),
@@ -25,25 +26,10 @@ CASES = [
 ]
 
 
-def case_id(case):
-    name, kw = case
-    return name + "".join(f"-{k}={v}" for k, v in kw.items())
-
-
 @pytest.mark.parametrize("sched", ["StepLR", "CosineAnnealingLR"])
 @pytest.mark.parametrize("case", CASES, ids=[case_id(c) for c in CASES])
 def test_training_loop_with_lr_scheduler(case, sched, device):
-    name, kw = case
-    model = make_model(device)
-    start, ref_model = twin(model), twin(model)
-    ours = getattr(oft, name)(model.parameters(), **kw)
-    ref = torch_cls(name)(ref_model.parameters(), foreach=False, **kw)
-    s_ours, s_ref = make_scheduler(sched, ours), make_scheduler(sched, ref)
-    loop(model, ours, device, scheduler=s_ours)
-    loop(ref_model, ref, device, scheduler=s_ref)
-    assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
-    assert ref.param_groups[0]["lr"] < 0.5 * kw["lr"], "the schedule did not change lr: the test would be vacuous"
-    assert_same_training(model, ref_model, ours, ref, device, start, f64=torch_run(name, kw, device, sched=sched))
+    check_training_loop_with_lr_scheduler(case, sched, device)
 
 
 @pytest.mark.parametrize("sched", ["StepLR", "CosineAnnealingLR"])
