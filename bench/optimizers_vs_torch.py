@@ -49,6 +49,7 @@ OPTIMIZERS = {
     "ASGD": ("asgd()", dict(lr=1e-2)),
     "Rprop": ("rprop()", dict(lr=1e-2)),
     "NAdam": ("nadam()", dict(lr=1e-3)),
+    "AdEMAMix": ("ademamix()", dict(lr=1e-3)),
 }
 
 
