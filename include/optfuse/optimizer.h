@@ -10,6 +10,7 @@
 // asynchronous on the given stream.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,35 @@ struct StepInputs {
   void* stream = nullptr;  // CUstream for CUDA (nullptr: the default stream)
 };
 
+// A sharded step (ZeRO): each rank's optimizer steps its own pieces of the tensors, and reductions
+// must still cover every piece of every rank. The schedule's Exchange step (optfuse/schedule.h)
+// hands the caller the per-chunk partial sums of a reduce pass; the caller gathers every rank's
+// (all-gather) into the *global* chunk order, and the Combine step then combines them exactly as
+// an unsharded optimizer over the whole tensors would: the same chunks in the same order, so a
+// sharded step is bitwise equal to the unsharded one. For that, rank pieces must be cut at chunk
+// boundaries of their tensors (multiples of chunk_elements() from the tensor's first element), and
+// the local tensors' chunks must be, in order, one contiguous range of the global chunks.
+struct ChunkSpan {
+  int64_t first = 0, count = 0;  // global chunk indices [first, first + count)
+};
+struct ShardMap {
+  int64_t global_chunks = 0;         // chunks of all ranks' tensors, in the unsharded order
+  std::vector<ChunkSpan> tensors;    // per local tensor: the chunks of the WHOLE tensor it is a piece of
+};
+struct PartialSums {
+  int phase = 0;                  // the reduce phase (schedule step) that produced them
+  std::vector<int> reductions;    // rows this phase produced (Plan::reductions indices); others are stale
+  int64_t local_chunks = 0;       // this optimizer's chunks, in its tensor-table order
+  const double* local = nullptr;  // [plan.reductions.size()][local_chunks]
+  int64_t global_chunks = 0;
+  double* global = nullptr;       // [plan.reductions.size()][global_chunks]: the caller fills the rows
+  bool on_device = false;         // local and global are device memory (Backend::cuda): enqueue the
+                                  // exchange on the step's stream, do not wait for it
+};
+// Called at every Exchange step (on the host, in the step's call; CUDA work it enqueues on the
+// step's stream is ordered before the Combine).
+using ExchangeFn = std::function<void(const PartialSums&)>;
+
 class Executor;
 struct HyperSource;
 
@@ -103,6 +133,12 @@ class Optimizer {
   // nothing is revalidated beyond the count and null pointers.
   void set_grad_pointers(const std::vector<const void*>& grads);
   void step(const StepInputs& inputs = {});
+  // Elements per chunk of this backend (pieces of a sharded tensor start at multiples of it).
+  int32_t chunk_elements() const;
+  // Makes every step exchange partial sums through `fn` (see ShardMap): map.tensors has one span
+  // per tensor of the current tensor set, each at least as long as that tensor's own chunks.
+  // Cleared by set_tensors (a new tensor set needs a new map); an empty fn clears it too.
+  void set_exchange(const ShardMap& map, ExchangeFn fn);
 
   // The generated source the backend runs (empty for the reference backend).
   std::string source() const;

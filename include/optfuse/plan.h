@@ -26,6 +26,7 @@
 
 #include "optfuse/dtype.h"
 #include "optfuse/rule.h"
+#include "optfuse/schedule.h"
 
 namespace optfuse {
 
@@ -67,6 +68,7 @@ struct Plan {
   std::vector<NodeId> derived;          // derived slot -> uniform node read by element code
   std::map<NodeId, int> derived_slot;   // node -> index in u: derived d -> d, tensor value k -> D + k
   ScalarLayout layout;
+  std::vector<ScheduleStep> schedule;   // what a step does, in order (optfuse/schedule.h)
   std::vector<std::string> pass_log;    // "name: N nodes" per pass, for explain
 
   int num_states() const { return static_cast<int>(program.states.size()); }

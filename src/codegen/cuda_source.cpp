@@ -164,13 +164,27 @@ __device__ __forceinline__ double of_combine(const double* partials, long long n
   return any ? (s != 0.0 ? 1.0 : 0.0) : s;
 }
 
+// Where each tensor's chunks are among the partials' columns: the tensor table's own ranges, or,
+// for a sharded step, each tensor's whole-tensor span in the global chunk order ([T][2] ints).
+struct OfTableSpans {
+  const OfTensor* t;
+  __device__ int first(int i) const { return t[i].first_chunk; }
+  __device__ int count(int i) const { return t[i].num_chunks; }
+};
+struct OfGlobalSpans {
+  const int* s;
+  __device__ int first(int i) const { return s[2 * i]; }
+  __device__ int count(int i) const { return s[2 * i + 1]; }
+};
+
 // Combines one per-tensor reduction's partials: warp w takes tensors w, w + W, ... (W warps); in a
 // tensor, lane l takes its chunks l, l + 32, ... in order, then a fixed shuffle tree. Deterministic.
-__device__ __forceinline__ void of_combine_per_tensor(const double* partials, const OfTensor* tensors, int num_tensors,
+template <class Spans>
+__device__ __forceinline__ void of_combine_per_tensor(const double* partials, Spans spans, int num_tensors,
                                                       bool any, double* out, int stride) {
   const int lane = threadIdx.x & 31;
   for (int t = threadIdx.x >> 5; t < num_tensors; t += OF_THREADS / 32) {
-    const int first = tensors[t].first_chunk, count = tensors[t].num_chunks;
+    const int first = spans.first(t), count = spans.count(t);
     double s = 0.0;
     for (int c = lane; c < count; c += 32) s += partials[first + c];
     #pragma unroll
@@ -326,6 +340,28 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   return s.str();
 }
 
+// The Combine step of reduce phase i, for one block: each reduction's partials (rows of `cols`
+// columns) in a fixed order into the table (global scope) or tensor_reductions (per tensor; where
+// each tensor's chunks are: `spans`).
+std::string combine_code(const Plan& plan, size_t i, const std::string& cols, const std::string& spans) {
+  const ElementPhase& ph = plan.phases[i];
+  const Graph& g = plan.program.graph;
+  std::ostringstream s;
+  for (NodeId node : ph.reductions) {
+    size_t r = plan.reduction_index(node);
+    bool any = g.node(node).op == Op::AnyNonFinite;
+    int slot = plan.reduction_area_slot[r];
+    if (plan.scope_of(r) == Scope::Global)
+      s << "  {\n    const double total = of_combine(partials + " << r << "LL * " << cols << ", " << cols << ", "
+        << (any ? "true" : "false") << ", scratch);\n"
+        << "    if (threadIdx.x == 0) table[" << plan.layout.reductions_offset() + slot << "] = total;\n  }\n";
+    else
+      s << "  of_combine_per_tensor(partials + " << r << "LL * " << cols << ", " << spans << ", num_tensors, "
+        << (any ? "true" : "false") << ", tensor_reductions + " << slot << ", OF_TENSOR_REDUCTIONS);\n";
+  }
+  return s.str();
+}
+
 std::string element_kernel(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
   const ElementPhase& ph = plan.phases[i];
   const Graph& g = plan.program.graph;
@@ -337,7 +373,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
        " double* __restrict__ table, int groups, double* __restrict__ partials,"
        " double* __restrict__ tensor_reductions, int num_tensors,"
        " const OfHyperSource* __restrict__ sources, const float* grad_scale, const float* found_inf,"
-       " unsigned* done_count) {\n"
+       " unsigned* done_count, int combine_here) {\n"
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
     << "  __shared__ double globals[2];\n"
     << "  __shared__ double scratch[OF_THREADS / 32];\n"
@@ -392,18 +428,8 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     << "  __syncthreads();\n"
     << "  if (!last_block) return;\n"
     << "  __threadfence();\n";
-  for (size_t k = 0; k < nred; ++k) {
-    size_t r = plan.reduction_index(ph.reductions[k]);
-    bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
-    int slot = plan.reduction_area_slot[r];
-    if (plan.scope_of(r) == Scope::Global)
-      s << "  {\n    const double total = of_combine(partials + " << r << "LL * num_chunks, num_chunks, "
-        << (any ? "true" : "false") << ", scratch);\n"
-        << "    if (threadIdx.x == 0) table[2 + " << slot << "] = total;\n  }\n";
-    else
-      s << "  of_combine_per_tensor(partials + " << r << "LL * num_chunks, tensors, num_tensors, " << (any ? "true" : "false")
-        << ", tensor_reductions + " << slot << ", OF_TENSOR_REDUCTIONS);\n";
-  }
+  if (nred > 0) s << "  if (combine_here) {  // else a sharded step combines every rank's partials (of_combine" << i << ")\n"
+                  << combine_code(plan, i, "num_chunks", "OfTableSpans{tensors}") << "  }\n";
   if (update)
     s << "  if (threadIdx.x == 0) { table[0] = globals[0]; table[1] = globals[1]; }\n"
       << "  const long long steps_at = of_steps_offset(groups), derived_at = of_derived_offset(groups);\n"
@@ -411,7 +437,13 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
       << "    of_phase" << i << "_group(table, groups, g, sources, globals, table + derived_at + (long long)g * OF_DERIVED, "
       << "table + of_skip_offset(groups) + g, table + steps_at + g);\n";
   s << "  if (threadIdx.x == 0) *done_count = 0u;  // ready for the next launch (or graph replay)\n"
-    << "  (void)partials; (void)scratch; (void)tensor_reductions; (void)num_tensors;\n}\n";
+    << "  (void)partials; (void)scratch; (void)tensor_reductions; (void)num_tensors; (void)combine_here;\n}\n";
+  if (nred > 0)  // the Combine step of a sharded step: one block over every rank's partials
+    s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_combine" << i
+      << "(const double* __restrict__ partials, long long num_chunks, const int* __restrict__ spans, int num_tensors,"
+         " double* __restrict__ table, double* __restrict__ tensor_reductions) {\n"
+      << "  __shared__ double scratch[OF_THREADS / 32];\n"
+      << combine_code(plan, i, "num_chunks", "OfGlobalSpans{spans}") << "}\n";
   return s.str();
 }
 

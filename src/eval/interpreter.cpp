@@ -12,27 +12,27 @@ void set_globals(double* table, const StepInputs& in) {
   table[kFoundInf] = in.found_inf ? static_cast<double>(*in.found_inf) : 0.0;
 }
 
-void combine_partials(const Plan& plan, size_t phase_index, const std::vector<Chunk>& chunks,
-                      const std::vector<std::vector<double>>& partials, double* table,
+void combine_partials(const Plan& plan, size_t phase, const std::function<const double*(size_t)>& row,
+                      const std::vector<ChunkRange>& spans, int64_t columns, double* table,
                       std::vector<double>& tensor_reductions) {
   const Graph& g = plan.program.graph;
   const ScalarLayout& L = plan.layout;
-  const int limit = plan.value_level_limit(plan.phases.at(phase_index));
-  for (size_t r = 0; r < plan.reductions.size(); ++r) {
-    if (plan.level[static_cast<size_t>(plan.reductions[r])] > limit) continue;  // not computed yet
-    const bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
+  for (NodeId node : plan.phases.at(phase).reductions) {
+    const size_t r = plan.reduction_index(node);
+    const bool any = g.node(node).op == Op::AnyNonFinite;
     auto add = [any](double acc, double v) { return any ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v; };
     const int slot = plan.reduction_area_slot[r];
+    const double* partials = row(r);
     if (plan.scope_of(r) == Scope::Global) {
       double acc = 0;
-      for (double v : partials[r]) acc = add(acc, v);
+      for (int64_t c = 0; c < columns; ++c) acc = add(acc, partials[c]);
       table[L.reductions_offset() + slot] = acc;
-    } else {  // per tensor: each tensor's chunks, in chunk order
+    } else {  // per tensor: the tensor's chunks, in chunk order
       const size_t rt = static_cast<size_t>(L.tensor_reductions);
-      for (size_t t = 0; rt && t < tensor_reductions.size() / rt; ++t) tensor_reductions[t * rt + static_cast<size_t>(slot)] = 0;
-      for (size_t c = 0; c < chunks.size(); ++c) {
-        double& acc = tensor_reductions[static_cast<size_t>(chunks[c].tensor) * rt + static_cast<size_t>(slot)];
-        acc = add(acc, partials[r][c]);
+      for (size_t t = 0; t < spans.size(); ++t) {
+        double acc = 0;
+        for (uint32_t c = 0; c < spans[t].count; ++c) acc = add(acc, partials[spans[t].first + c]);
+        tensor_reductions[t * rt + static_cast<size_t>(slot)] = acc;
       }
     }
   }

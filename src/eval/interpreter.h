@@ -2,6 +2,7 @@
 // fallback when no compiler is available (element math in float32, the same rounding as the
 // generated code). Also the scalar phase, which the reference and CPU backends share.
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "optfuse/optimizer.h"
@@ -9,11 +10,13 @@
 
 namespace optfuse {
 
-// Before element phase `phase_index`: combines the partial sums of the reductions the previous
-// phases produced (`partials[r][chunk]`) in chunk order, global ones into the table's reduction
-// area, per-tensor ones into tensor_reductions[tensor][slot] (each tensor's chunks in order).
-void combine_partials(const Plan& plan, size_t phase_index, const std::vector<Chunk>& chunks,
-                      const std::vector<std::vector<double>>& partials, double* table,
+// The schedule's Combine step for reduce phase `phase`: combines the per-chunk partial sums of the
+// reductions it produced in chunk order, global ones over every column of their row into the table's
+// reduction area, per-tensor ones over the tensor's span of columns into
+// tensor_reductions[tensor][slot]. row(r) is reduction r's partials; columns are chunks: the
+// executor's own (spans from chunk_ranges) or, for a sharded step, every rank's in global order.
+void combine_partials(const Plan& plan, size_t phase, const std::function<const double*(size_t)>& row,
+                      const std::vector<ChunkRange>& spans, int64_t columns, double* table,
                       std::vector<double>& tensor_reductions);
 
 // Scalar phase before element phase `phase_index` of the plan: evaluates uniform values for every

@@ -261,6 +261,7 @@ Plan make_plan(Program program) {
   plan.layout.reductions = global_slots;
   plan.layout.tensor_reductions = tensor_slots;
   plan.layout.tensor_values = static_cast<int>(plan.tensor_derived.size());
+  plan.schedule = make_schedule(plan);
   return plan;
 }
 
@@ -312,6 +313,9 @@ std::string Plan::describe(DType storage) const {
     total_w += w;
   }
   s << "  total bytes per element: " << total_r + total_w << "\n";
+  s << "  schedule:\n";
+  std::istringstream steps(describe_schedule(*this));
+  for (std::string line; std::getline(steps, line);) s << "    " << line << "\n";
   s << "  scalars per group: " << layout.hypers_per_group << " hyperparameters, step, skip flag, "
     << layout.derived_per_group << " derived values";
   if (!derived.empty()) {

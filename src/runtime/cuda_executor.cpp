@@ -158,9 +158,11 @@ class CudaExecutor : public Executor {
     auto module = std::make_unique<cuda::Module>(r.cubin);
     std::vector<CUfunction> fns;
     std::vector<int> regs, static_shared;
+    std::vector<CUfunction> combine_fns;
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
       std::string name = "of_phase" + std::to_string(i);
       fns.push_back(module->function(name));
+      combine_fns.push_back(plan_.phases[i].reductions.empty() ? nullptr : module->function("of_combine" + std::to_string(i)));
       cuda::KernelResources res = module->resources(name);
       regs.push_back(res.registers);
       static_shared.push_back(res.shared_bytes);
@@ -168,6 +170,7 @@ class CudaExecutor : public Executor {
     if (module_) old_modules_.push_back(std::move(module_));
     module_ = std::move(module);
     fns_ = std::move(fns);
+    combine_fns_ = std::move(combine_fns);
     regs_ = std::move(regs);
     static_shared_ = std::move(static_shared);
     source_ = std::move(source);
@@ -266,6 +269,28 @@ class CudaExecutor : public Executor {
     words_dirty_ = false;
     uploads_.reserve_spare(words_.size() * sizeof(uint64_t));
     compute_grid();
+    set_exchange({}, nullptr);
+  }
+
+  int32_t chunk_elements() const override { return kChunkElems; }
+
+  // A sharded step: a device buffer for every rank's partials and the tensors' global spans.
+  void set_exchange(const ShardMap& map, ExchangeFn fn) override {
+    refuse_while_capturing("setting a partial-sum exchange");
+    exchange_fn_ = std::move(fn);
+    global_chunks_ = exchange_fn_ ? map.global_chunks : 0;
+    retire(std::move(global_partials_));
+    retire(std::move(global_spans_));
+    if (!exchange_fn_) return;
+    global_partials_ = cuda::DeviceBuffer(std::max<size_t>(1, plan_.reductions.size() * static_cast<size_t>(global_chunks_)) * sizeof(double));
+    std::vector<int32_t> spans;
+    for (const ChunkSpan& sp : map.tensors) {
+      spans.push_back(static_cast<int32_t>(sp.first));
+      spans.push_back(static_cast<int32_t>(sp.count));
+    }
+    global_spans_ = cuda::DeviceBuffer(std::max<size_t>(1, spans.size()) * sizeof(int32_t));
+    if (!spans.empty()) uploads_.upload(global_spans_.ptr(), spans.data(), spans.size() * sizeof(int32_t), stream_);
+    cuda::memset_zero(global_partials_.ptr(), global_partials_.size(), stream_);
   }
 
   // Same shapes, new pointers (gradients the framework reallocated): only the host copy of the
@@ -299,11 +324,34 @@ class CudaExecutor : public Executor {
     long long n = num_chunks_;
     const float* grad_scale = in.grad_scale;
     const float* found_inf = in.found_inf;
-    for (size_t i = 0; i < plan_.phases.size(); ++i) {
-      CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
-      void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
-                      &sources, &grad_scale, &found_inf, &counter};
-      cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
+    if (exchange_fn_ && capturing)
+      throw Error("CUDA backend: a step with a partial-sum exchange (a sharded step) cannot be captured in a CUDA graph");
+    int combine_here = exchange_fn_ ? 0 : 1;
+    // The schedule, literally; Scalar steps run in every block's prologue of the next pass, and a
+    // Combine in the last block of its pass unless an exchange is set (then it is a launch of its own).
+    for (const ScheduleStep& st : plan_.schedule) {
+      const size_t i = static_cast<size_t>(st.phase);
+      if (st.kind == ScheduleStep::Kind::Pass) {
+        CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
+        void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
+                        &sources, &grad_scale, &found_inf, &counter, &combine_here};
+        cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
+      } else if (st.kind == ScheduleStep::Kind::Exchange && exchange_fn_) {
+        PartialSums ps;
+        ps.phase = st.phase;
+        for (NodeId node : plan_.phases[i].reductions) ps.reductions.push_back(static_cast<int>(plan_.reduction_index(node)));
+        ps.local_chunks = n;
+        ps.local = reinterpret_cast<const double*>(static_cast<uintptr_t>(partials));
+        ps.global_chunks = global_chunks_;
+        ps.global = reinterpret_cast<double*>(static_cast<uintptr_t>(global_partials_.ptr()));
+        ps.on_device = true;
+        exchange_fn_(ps);
+      } else if (st.kind == ScheduleStep::Kind::Combine && exchange_fn_) {
+        CUdeviceptr global = global_partials_.ptr(), spans = global_spans_.ptr();
+        long long cols = global_chunks_;
+        void* args[] = {&global, &cols, &spans, &num_tensors, &table, &tensor_reductions};
+        cuda::launch(combine_fns_[i], 1, static_cast<unsigned>(threads_), 0, s, args);
+      }
     }
     if (!capturing) reap();
   }
@@ -366,6 +414,7 @@ class CudaExecutor : public Executor {
   std::unique_ptr<cuda::Module> module_;
   std::vector<std::unique_ptr<cuda::Module>> old_modules_;  // replaced by a recompile (see compile())
   std::vector<CUfunction> fns_;
+  std::vector<CUfunction> combine_fns_;    // per phase: of_combine<i> for reduce phases, else null
   std::vector<int> regs_, static_shared_;  // per phase
   std::vector<unsigned> grid_;             // per phase, for the current tensor set and group count
   size_t shared_bytes_ = 0;                // dynamic shared memory per block (the groups' uniforms)
@@ -379,6 +428,9 @@ class CudaExecutor : public Executor {
   Uploader uploads_;
   cuda::Event uploaded_;
   std::vector<std::pair<cuda::DeviceBuffer, std::unique_ptr<cuda::Event>>> retired_;
+  ExchangeFn exchange_fn_;                 // a sharded step's exchange (empty: unsharded)
+  long long global_chunks_ = 0;
+  cuda::DeviceBuffer global_partials_, global_spans_;  // [reduction][global chunk], [tensor][2]
 };
 
 }  // namespace

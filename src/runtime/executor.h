@@ -37,6 +37,10 @@ class Executor {
   // Same tensors (sizes, dtypes, groups), new data pointers: backends may skip rebuilding chunks.
   virtual void update_pointers(const std::vector<TensorRef>& tensors) { set_tensors(tensors); }
   virtual void step(const StepInputs& in) = 0;
+  // Elements per chunk (the unit of partial sums, so of sharding).
+  virtual int32_t chunk_elements() const = 0;
+  // Validated by the Optimizer (Optimizer::set_exchange); an empty fn clears it. set_tensors clears it.
+  virtual void set_exchange(const ShardMap& map, ExchangeFn fn) = 0;
   virtual std::string source() const { return {}; }
   virtual std::string status() const = 0;
 };

@@ -36,6 +36,46 @@ void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {
   chunks_ = build_chunks(tensors_, chunk_elems_);
   partials_.assign(plan_.reductions.size(), std::vector<double>(chunks_.size(), 0.0));
   tensor_reductions_.assign(tensors_.size() * static_cast<size_t>(plan_.layout.tensor_reductions), 0.0);
+  spans_ = chunk_ranges(tensors_.size(), chunks_);
+  set_exchange({}, nullptr);
+}
+
+void HostExecutor::set_exchange(const ShardMap& map, ExchangeFn fn) {
+  exchange_fn_ = std::move(fn);
+  global_chunks_ = exchange_fn_ ? map.global_chunks : 0;
+  global_spans_.clear();
+  if (exchange_fn_)
+    for (const ChunkSpan& sp : map.tensors)
+      global_spans_.push_back({static_cast<uint32_t>(sp.first), static_cast<uint32_t>(sp.count)});
+  global_.assign(plan_.reductions.size() * static_cast<size_t>(global_chunks_), 0.0);
+  local_.assign(exchange_fn_ ? plan_.reductions.size() * chunks_.size() : 0, 0.0);
+}
+
+void HostExecutor::exchange(int phase) {
+  if (!exchange_fn_) return;
+  PartialSums ps;
+  ps.phase = phase;
+  ps.local_chunks = static_cast<int64_t>(chunks_.size());
+  for (NodeId node : plan_.phases[static_cast<size_t>(phase)].reductions) {
+    const size_t r = plan_.reduction_index(node);
+    ps.reductions.push_back(static_cast<int>(r));
+    std::copy(partials_[r].begin(), partials_[r].end(), local_.begin() + static_cast<std::ptrdiff_t>(r * chunks_.size()));
+  }
+  ps.local = local_.data();
+  ps.global_chunks = global_chunks_;
+  ps.global = global_.data();
+  exchange_fn_(ps);
+}
+
+void HostExecutor::combine(int phase) {
+  if (exchange_fn_) {
+    const size_t G = static_cast<size_t>(global_chunks_);
+    combine_partials(plan_, static_cast<size_t>(phase), [&](size_t r) { return global_.data() + r * G; }, global_spans_,
+                     global_chunks_, table_.data(), tensor_reductions_);
+  } else {
+    combine_partials(plan_, static_cast<size_t>(phase), [&](size_t r) { return partials_[r].data(); }, spans_,
+                     static_cast<int64_t>(chunks_.size()), table_.data(), tensor_reductions_);
+  }
 }
 
 void HostExecutor::step(const StepInputs& in) {
@@ -49,10 +89,13 @@ void HostExecutor::step(const StepInputs& in) {
     table_[static_cast<size_t>(hyp) + k] = s.type == 1 ? *static_cast<const double*>(p)
                                                        : static_cast<double>(*static_cast<const float*>(p));
   }
-  for (size_t i = 0; i < plan_.phases.size(); ++i) {
-    combine_partials(plan_, i, chunks_, partials_, table_.data(), tensor_reductions_);
-    run_scalar_phase(plan_, i, table_.data(), groups_);
-    run_phase(i);
+  for (const ScheduleStep& st : plan_.schedule) {
+    switch (st.kind) {
+      case ScheduleStep::Kind::Scalar: run_scalar_phase(plan_, static_cast<size_t>(st.phase), table_.data(), groups_); break;
+      case ScheduleStep::Kind::Pass: run_phase(static_cast<size_t>(st.phase)); break;
+      case ScheduleStep::Kind::Exchange: exchange(st.phase); break;
+      case ScheduleStep::Kind::Combine: combine(st.phase); break;
+    }
   }
 }
 

@@ -19,6 +19,8 @@ class HostExecutor : public Executor {
   void write_step(int group, int64_t steps) override;
   void set_tensors(const std::vector<TensorRef>& tensors) override;
   void step(const StepInputs& in) override;
+  int32_t chunk_elements() const override { return chunk_elems_; }
+  void set_exchange(const ShardMap& map, ExchangeFn fn) override;
 
  protected:
   // Runs element phase `index` over all chunks, filling partials_ for reduce phases.
@@ -34,6 +36,16 @@ class HostExecutor : public Executor {
   std::vector<Chunk> chunks_;
   std::vector<std::vector<double>> partials_;  // [reduction][chunk]
   std::vector<double> tensor_reductions_;      // [tensor][per-tensor reduction slot]
+  std::vector<ChunkRange> spans_;              // per tensor, its chunks in chunks_
+
+ private:
+  void exchange(int phase);
+  void combine(int phase);
+  // A sharded step's exchange (Optimizer::set_exchange): empty fn when unsharded.
+  ExchangeFn exchange_fn_;
+  int64_t global_chunks_ = 0;
+  std::vector<ChunkRange> global_spans_;       // per tensor, its whole tensor's chunks in global order
+  std::vector<double> local_, global_;         // [reduction][local chunk], [reduction][global chunk]
 };
 
 }  // namespace optfuse

@@ -1,5 +1,6 @@
 #include "optfuse/optimizer.h"
 
+#include <climits>
 #include <sstream>
 
 #include "optfuse/error.h"
@@ -231,6 +232,33 @@ void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
 }
 
 void Optimizer::step(const StepInputs& inputs) { live().exec_->step(inputs); }
+int32_t Optimizer::chunk_elements() const { return live().exec_->chunk_elements(); }
+
+void Optimizer::set_exchange(const ShardMap& map, ExchangeFn fn) {
+  live();
+  if (!fn) return exec_->set_exchange({}, nullptr);
+  const std::string where = "set_exchange: ";
+  if (map.tensors.size() != tensors_.size())
+    throw Error(where + std::to_string(map.tensors.size()) + " chunk spans given for " + std::to_string(tensors_.size()) +
+                " tensors (call it after set_tensors)");
+  if (map.global_chunks < 0 || map.global_chunks > INT32_MAX)
+    throw Error(where + "global_chunks must be in [0, 2^31), got " + std::to_string(map.global_chunks));
+  const int64_t chunk = exec_->chunk_elements();
+  int64_t local = 0;
+  for (size_t t = 0; t < tensors_.size(); ++t) {
+    const ChunkSpan& sp = map.tensors[t];
+    const int64_t own = (tensors_[t].param.numel + chunk - 1) / chunk;
+    local += own;
+    if (sp.first < 0 || sp.count < own || sp.first + sp.count > map.global_chunks)
+      throw Error(where + "tensor " + std::to_string(t) + " (" + std::to_string(own) + " chunk(s)) has the span [" +
+                  std::to_string(sp.first) + ", " + std::to_string(sp.first + sp.count) + ") of " +
+                  std::to_string(map.global_chunks) + " global chunks: a span covers the whole tensor it is a piece of");
+  }
+  if (local > map.global_chunks)
+    throw Error(where + "this optimizer has " + std::to_string(local) + " chunks, more than the " +
+                std::to_string(map.global_chunks) + " global ones");
+  exec_->set_exchange(map, std::move(fn));
+}
 std::string Optimizer::source() const { return live().exec_->source(); }
 std::string Optimizer::backend_status() const { return live().exec_->status(); }
 

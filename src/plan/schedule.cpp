@@ -1,0 +1,56 @@
+// Lowers a plan's phases into the step schedule (include/optfuse/schedule.h).
+#include "optfuse/schedule.h"
+
+#include <sstream>
+
+#include "optfuse/plan.h"
+
+namespace optfuse {
+
+std::vector<ScheduleStep> make_schedule(const Plan& plan) {
+  using K = ScheduleStep::Kind;
+  std::vector<ScheduleStep> s;
+  for (size_t i = 0; i < plan.phases.size(); ++i) {
+    const int p = static_cast<int>(i);
+    s.push_back({K::Scalar, p});
+    s.push_back({K::Pass, p});
+    if (plan.phases[i].kind == ElementPhase::Kind::Reduce) {
+      s.push_back({K::Exchange, p});
+      s.push_back({K::Combine, p});
+    }
+  }
+  return s;
+}
+
+std::string describe_schedule(const Plan& plan) {
+  std::ostringstream o;
+  const Graph& g = plan.program.graph;
+  for (const ScheduleStep& st : plan.schedule) {
+    const ElementPhase& ph = plan.phases[static_cast<size_t>(st.phase)];
+    switch (st.kind) {
+      case ScheduleStep::Kind::Scalar:
+        o << "scalar " << st.phase << ": uniform values per group for pass " << st.phase
+          << (ph.kind == ElementPhase::Kind::Update ? "; decide skip, commit the step count" : "") << "\n";
+        break;
+      case ScheduleStep::Kind::Pass:
+        o << "pass " << st.phase << ": " << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update") << ", "
+          << ph.reads() << " element(s) read + " << ph.writes() << " written per parameter element\n";
+        break;
+      case ScheduleStep::Kind::Exchange:
+        o << "exchange " << st.phase << ": hook point (a sharded step gathers every rank's partial sums here)\n";
+        break;
+      case ScheduleStep::Kind::Combine: {
+        o << "combine " << st.phase << ":";
+        for (NodeId r : ph.reductions) {
+          const Node& n = g.node(r);
+          o << " " << op_name(n.op) << (reduction_scope(n) == Scope::Global ? "/global" : "/tensor");
+        }
+        o << " in chunk order\n";
+        break;
+      }
+    }
+  }
+  return o.str();
+}
+
+}  // namespace optfuse
