@@ -27,6 +27,10 @@ enum class Backend {
 };
 Backend parse_backend(const std::string& name);
 const char* backend_name(Backend b);
+// Elements per chunk, the unit of work and of partial sums, of each backend: small enough to
+// balance CPU threads and CUDA blocks, large enough to amortise a chunk's setup. A sharded tensor's
+// pieces start at multiples of it (Optimizer::set_exchange).
+int32_t chunk_elements(Backend b);
 
 struct Buffer {
   void* data = nullptr;

@@ -12,6 +12,7 @@
 #include "bindings/common.h"
 #include "optfuse/dtype.h"
 #include "optfuse/error.h"
+#include "optfuse/optimizer.h"
 
 using namespace nb::literals;
 using namespace optfuse;
@@ -67,5 +68,7 @@ NB_MODULE(_core, m) {
 
   optfuse::py::bind_rules(m);
   optfuse::py::bind_optimizer(m);
+  m.def("chunk_elements", [](const std::string& backend) { return chunk_elements(parse_backend(backend)); }, "backend"_a,
+        "Elements per chunk of a backend: the unit of partial sums, so of shard cuts.");
   m.def("parse_dtype", [](const std::string& s) { return static_cast<int>(parse_dtype(s)); }, "name"_a);
 }

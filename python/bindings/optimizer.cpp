@@ -234,6 +234,36 @@ class PyOptimizer {
 
   int device_id() const { return device_id_; }
 
+  // A sharded step's exchange (Optimizer::set_exchange): fn(phase, rows, local, global) is called at
+  // every Exchange step with the partials as torch tensors viewing the executor's memory (valid
+  // during the call only): local [reductions][local chunks], global [reductions][global chunks],
+  // which fn fills (rows: the rows this phase produced). fn=None clears it.
+  void set_exchange(int64_t global_chunks, const std::vector<int64_t>& firsts, const std::vector<int64_t>& counts,
+                    nb::object fn) {
+    if (fn.is_none()) return opt_->set_exchange({}, nullptr);
+    if (firsts.size() != counts.size()) throw Error("_set_exchange: firsts and counts differ in length");
+    ShardMap map;
+    map.global_chunks = global_chunks;
+    for (size_t t = 0; t < firsts.size(); ++t) map.tensors.push_back({firsts[t], counts[t]});
+    const size_t rows = opt_->plan().reductions.size();
+    const int dev = device_id_;
+    auto held = std::make_shared<nb::object>(fn);
+    opt_->set_exchange(map, [held, rows, dev](const PartialSums& ps) {
+      nb::gil_scoped_acquire gil;  // step() runs without the GIL
+      auto view = [&](const double* data, int64_t cols) {
+        size_t shape[2] = {rows, static_cast<size_t>(cols)};
+        return nb::ndarray<nb::pytorch, double, nb::ndim<2>>(const_cast<double*>(data), 2, shape, nb::handle(), nullptr,
+                                                              nb::dtype<double>(),
+                                                              ps.on_device ? nb::device::cuda::value : nb::device::cpu::value,
+                                                              ps.on_device ? dev : 0);
+      };
+      // rv_policy::reference: views of the executor's memory (the default would copy an array that
+      // has no owner, and the caller's writes to `global` would be lost)
+      (*held)(ps.phase, ps.reductions, nb::cast(view(ps.local, ps.local_chunks), nb::rv_policy::reference),
+              nb::cast(view(ps.global, ps.global_chunks), nb::rv_policy::reference));
+    });
+  }
+
  private:
   std::string state_list() const {
     std::string s;
@@ -503,7 +533,10 @@ void bind_optimizer(nb::module_& m) {
       .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw)
       .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
       .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)
-      .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a);
+      .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a)
+      .def_prop_ro("chunk_elements", [](PyOptimizer& o) { return o.get().chunk_elements(); },
+                   "Elements per chunk: the unit of partial sums, so of shard cuts.")
+      .def("_set_exchange", &PyOptimizer::set_exchange, "global_chunks"_a, "firsts"_a, "counts"_a, "fn"_a.none());
 
   nb::class_<GradWatch>(m, "_GradWatch")
       .def(nb::init<std::vector<nb::object>>(), "params"_a)

@@ -23,11 +23,10 @@ using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long fir
                          const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                          long long num_chunks);
 
-constexpr int32_t kCpuChunk = 16384;  // elements: small enough to balance threads, large enough to amortise
 
 class CpuExecutor : public HostExecutor {
  public:
-  explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), kCpuChunk), variants_(default_variants(plan_)) {
+  explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), optfuse::chunk_elements(Backend::cpu)), variants_(default_variants(plan_)) {
     std::string why;
     if (!host::find_compiler(&why)) {
       static std::once_flag once;

@@ -33,13 +33,7 @@ namespace optfuse {
 
 namespace {
 
-// Elements per chunk. One chunk is the unit of work of one block, so it must be small enough that a
-// single huge tensor gives every SM many chunks (2^31 elements -> 131072 chunks) and large enough
-// that the per-chunk overhead (descriptor and derived loads, a block reduction) is amortised over
-// several passes of the block. 2000 tensors of 4096 elements are one chunk each. A multiple of 8,
-// so every chunk of a tensor starts at the tensor's own offset from a 16-byte boundary for every
-// dtype (the vector path's condition is then the same for all chunks of a tensor).
-constexpr int32_t kChunkElems = 16384;
+const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: chunk_elements()
 
 // Resident threads per SM by compute capability (the driver's occupancy tables).
 int max_threads_per_sm(int arch) {
@@ -269,7 +263,6 @@ class CudaExecutor : public Executor {
     words_dirty_ = false;
     uploads_.reserve_spare(words_.size() * sizeof(uint64_t));
     compute_grid();
-    set_exchange({}, nullptr);
   }
 
   int32_t chunk_elements() const override { return kChunkElems; }

@@ -39,7 +39,8 @@ class Executor {
   virtual void step(const StepInputs& in) = 0;
   // Elements per chunk (the unit of partial sums, so of sharding).
   virtual int32_t chunk_elements() const = 0;
-  // Validated by the Optimizer (Optimizer::set_exchange); an empty fn clears it. set_tensors clears it.
+  // Validated by the Optimizer (Optimizer::set_exchange); an empty fn clears it (Optimizer::set_tensors
+  // does). update_pointers keeps it.
   virtual void set_exchange(const ShardMap& map, ExchangeFn fn) = 0;
   virtual std::string source() const { return {}; }
   virtual std::string status() const = 0;

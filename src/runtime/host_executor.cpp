@@ -37,7 +37,6 @@ void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {
   partials_.assign(plan_.reductions.size(), std::vector<double>(chunks_.size(), 0.0));
   tensor_reductions_.assign(tensors_.size() * static_cast<size_t>(plan_.layout.tensor_reductions), 0.0);
   spans_ = chunk_ranges(tensors_.size(), chunks_);
-  set_exchange({}, nullptr);
 }
 
 void HostExecutor::set_exchange(const ShardMap& map, ExchangeFn fn) {
@@ -103,7 +102,7 @@ namespace {
 
 class ReferenceExecutor : public HostExecutor {
  public:
-  explicit ReferenceExecutor(PlanPtr plan) : HostExecutor(std::move(plan), 65536) {}
+  explicit ReferenceExecutor(PlanPtr plan) : HostExecutor(std::move(plan), optfuse::chunk_elements(Backend::reference)) {}
   std::string status() const override { return "reference evaluator (float64, interpreted)"; }
 
  protected:

@@ -206,6 +206,7 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
                   std::to_string(groups_) + ")");
   }
   exec_->set_tensors(tensors);
+  exec_->set_exchange({}, nullptr);  // its map described the previous tensor set
   tensors_ = tensors;
 }
 
@@ -233,6 +234,22 @@ void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
 
 void Optimizer::step(const StepInputs& inputs) { live().exec_->step(inputs); }
 int32_t Optimizer::chunk_elements() const { return live().exec_->chunk_elements(); }
+
+// CUDA: one chunk is the unit of work of one block, so it must be small enough that a single huge
+// tensor gives every SM many chunks (2^31 elements -> 131072 chunks) and large enough that the
+// per-chunk overhead (descriptor and derived loads, a block reduction) is amortised over several
+// passes of the block; 2000 tensors of 4096 elements are one chunk each. A multiple of 8, so every
+// chunk of a tensor starts at the tensor's own offset from a 16-byte boundary for every dtype (the
+// vector path's condition is then the same for all chunks of a tensor). CPU: small enough to
+// balance threads. Reference: only its result matters.
+int32_t chunk_elements(Backend b) {
+  switch (b) {
+    case Backend::reference: return 65536;
+    case Backend::cpu: return 16384;
+    case Backend::cuda: return 16384;
+  }
+  return 16384;
+}
 
 void Optimizer::set_exchange(const ShardMap& map, ExchangeFn fn) {
   live();

@@ -79,7 +79,14 @@ Model run_sharded(const std::string& spec, Backend backend, int ranks, int steps
   for (int k = 0; k < steps; ++k) {
     fill_grads(m, k, nan_step);
     std::vector<std::thread> threads;
-    for (int r = 0; r < ranks; ++r) threads.emplace_back([&, r] { opts[static_cast<size_t>(r)]->step(); });
+    for (int r = 0; r < ranks; ++r)
+      threads.emplace_back([&, r] {
+        Optimizer& o = *opts[static_cast<size_t>(r)];
+        std::vector<const void*> grads;  // the per-step pointer patch of a training loop keeps the exchange
+        for (const TensorRef& t : o.tensors()) grads.push_back(t.grad.data);
+        o.set_grad_pointers(grads);
+        o.step();
+      });
     for (auto& th : threads) th.join();
   }
   return m;

@@ -349,6 +349,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
                 entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, self._rng_stream(p, w)))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
+            built = self.__dict__.get("_on_engine_built")  # a sharded optimizer sets its exchange
+            if built is not None:
+                built(engine)
             engines[(key, device, storage)] = engine
         self._engines = engines
         sigs = [self._sig_get(g) for g in groups]

@@ -4,20 +4,25 @@
     opt = optfuse.torch.distributed.ZeRO(optfuse.torch.AdamW(model.parameters(), lr=3e-4))
     ...  loss.backward(); opt.step(); opt.zero_grad()
 
-The parameters, in param_groups order, form one flat index space of `total` elements. Rank r owns
-one contiguous range of it (`shard_ranges`), which cuts across tensor boundaries; each tensor's part
-in a rank's range is a *piece*: a flat view of the parameter (and of its gradient at each step).
-Every rank steps only its pieces, with one optimizer of the wrapped class over the pieces (so one
-fused launch per pass, and states only for the pieces: 1/N of the state memory), then the ranks
-all-gather the updated parameters (per dtype, one collective each). The traffic is one all-gather
-of the parameters per step, as in DeepSpeed's stage 1; the gradients come from DDP's all-reduce.
+The parameters, in param_groups order, form one flat index space. Rank r owns one contiguous range
+of it (`shard_ranges`), which cuts across tensor boundaries, at a tensor's start or a multiple of the
+backend's chunk (`_core.chunk_elements`) into it. Each tensor's part in a rank's range is a *piece*:
+a flat view of the parameter (and of its gradient at each step); every rank has a piece of every
+parameter, most of them empty, so every rank's optimizer has the same engines in the same order.
+Every rank steps only its pieces, with one optimizer of the wrapped class over the pieces (one fused
+launch per pass, states only for the pieces: 1/N of the state memory), then the ranks all-gather
+the updated parameters (per dtype, one collective each). The traffic is one all-gather of the
+parameters per step, as in DeepSpeed's stage 1; the gradients come from DDP's all-reduce.
 
-Element-wise optimizers give bitwise the same parameters and states as the unsharded optimizer on
-the same averaged gradients: every element sees the same float32 math. Chains with reductions
-(clip_by_global_norm, skip_if_nonfinite, Lamb's and Lars's per-tensor norms) are refused: their
-partial sums would have to cross ranks between two passes, which needs the step schedule's hook
-point (not built yet). Stage 2 (gradient reduce-scatter), FSDP2 and DCP checkpoints are not built.
+Reductions (clip_by_global_norm, skip_if_nonfinite, Lamb's and Lars's per-tensor norms) cross ranks
+at the step schedule's Exchange step (optfuse/schedule.h): after a reduce pass every rank
+all-gathers the per-chunk partial sums into the global chunk order, and each rank combines all of
+them as the unsharded optimizer would. Because cuts fall on chunk boundaries, the chunks are the
+unsharded optimizer's, so every rank's parameters and states are bitwise those of the unsharded
+optimizer on the same averaged gradients, for every reduction scope. Stage 2 (gradient
+reduce-scatter), FSDP2 and DCP checkpoints are not built.
 """
+import bisect
 from collections import defaultdict
 
 import torch
@@ -27,17 +32,21 @@ from .. import _core
 from ._base import FusedOptimizer, OptfuseError
 from ._fused import fuse
 
-# Pieces start on multiples of 64 elements of the flat space, so a piece of an aligned parameter
-# stays 16-byte aligned for every dtype (the CUDA kernels' vector loads need it).
-ALIGN = 64
-
-
-def shard_ranges(total, world):
-    """[start, end) of the flat index space owned by each rank: equal sizes, multiples of ALIGN
-    (the last ranks may own less, or nothing)."""
-    per = -(-total // world)
-    per = -(-per // ALIGN) * ALIGN
-    return [(min(r * per, total), min((r + 1) * per, total)) for r in range(world)]
+def shard_ranges(sizes, world, chunk):
+    """[start, end) of the flat index space (tensors of `sizes` end to end) owned by each rank: about
+    total / world elements each, every cut at a tensor's start or a multiple of `chunk` into a
+    tensor (so a piece's chunks are its tensor's, and partial sums combine as unsharded). The last
+    ranks may own less, or nothing."""
+    cuts, total = [], 0
+    for n in sizes:
+        cuts.extend(range(total, total + n, chunk))
+        total += n
+    cuts.append(total)
+    bounds = [0]
+    for r in range(1, world):
+        bounds.append(max(cuts[bisect.bisect_right(cuts, total * r // world) - 1], bounds[-1]))
+    bounds.append(total)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class _Piece:
@@ -72,50 +81,91 @@ class ZeRO(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
-        self._check_no_reductions()
         self._plan_shards()
         self._take_state_from(optimizer)
 
     # --- setup
-    def _check_no_reductions(self):
-        opt = self.optimizer
-        for i, g in enumerate(self.param_groups):
-            chain = opt._make_chain(opt._structure(g), opt._features(g), [g])
-            scopes = _core.make_plan(chain).reduction_scopes
-            if scopes:
-                raise OptfuseError(
-                    f"ZeRO: {type(opt).__name__} (group {i}) computes {'/'.join(sorted(set(scopes)))} reductions "
-                    f"({_core.chain_text(chain)}); across shards their partial sums must be combined between "
-                    "passes, which is not built yet. Element-wise optimizers (SGD, Adam, AdamW, ...) work.")
-
     def _plan_shards(self):
         params = [p for g in self.param_groups for p in g["params"]]
         for p in params:
             if not p.is_contiguous():
                 raise OptfuseError(f"ZeRO: parameters must be contiguous (shape {tuple(p.shape)}, strides {p.stride()})")
+        devices = {p.device.type for p in params}
+        if len(devices) > 1:
+            raise OptfuseError(f"ZeRO: parameters on several device types ({sorted(devices)}); shard one model per device")
+        self._chunk = _core.chunk_elements("cuda" if devices == {"cuda"} else "cpu")
         self._param_index = {id(p): i for i, p in enumerate(params)}
-        total = sum(p.numel() for p in params)
-        self._ranges = shard_ranges(total, self.world)
-        self._pieces = [[] for _ in range(self.world)]  # per rank, in flat order
+        self._ranges = shard_ranges([p.numel() for p in params], self.world, self._chunk)
+        # Per rank, a piece of every parameter in flat order (empty where the rank owns none of it):
+        # so every rank's optimizer has the same engines in the same order, and all of them take part
+        # in every exchange.
+        self._pieces = [[] for _ in range(self.world)]
         start = 0
         for p in params:
             end = start + p.numel()
             for r, (lo, hi) in enumerate(self._ranges):
                 a, b = max(lo, start), min(hi, end)
-                if a < b:
-                    self._pieces[r].append(_Piece(p, a - start, b - start))
+                self._pieces[r].append(_Piece(p, a - start, b - start) if a < b else _Piece(p, 0, 0))
             start = end
-        mine = {id(pc.param): pc for pc in self._pieces[self.rank]}
+        self._mine = self._pieces[self.rank]
+        self._piece_of_view = {id(pc.view): pc for pc in self._mine}
+        mine = {id(pc.param): pc for pc in self._mine}
         inner_groups = []
         for g in self.param_groups:
             options = {k: v for k, v in g.items() if k != "params"}
-            inner_groups.append(dict(options, params=[mine[id(p)].view for p in g["params"] if id(p) in mine]))
-        self._mine = self._pieces[self.rank]
+            inner_groups.append(dict(options, params=[mine[id(p)].view for p in g["params"]]))
         cls = type(self.optimizer)
         self._inner = cls.__new__(cls)
+        # The class's own settings (a Fused optimizer's chain and names, ...); the base __init__ then
+        # makes fresh groups, state and engines.
+        self._inner.__dict__.update(self.optimizer.__dict__)
         FusedOptimizer.__init__(self._inner, inner_groups, dict(self.optimizer.defaults))
         # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
         self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
+        self._inner._on_engine_built = self._set_exchange
+
+    def _set_exchange(self, engine):
+        """After the inner optimizer built an engine over its pieces: if its chain has reductions, make
+        its steps all-gather the per-chunk partials of every rank into the global chunk order. The
+        global chunks are the unsharded engine's: every chunk of every parameter in this engine's
+        table (every rank's engine lists the same parameters, in the same order)."""
+        if not engine.core.plan.reduction_scopes:
+            return
+        chunk = self._chunk
+        if engine.core.chunk_elements != chunk:
+            raise OptfuseError(f"ZeRO: the {engine.backend} backend cuts {engine.core.chunk_elements}-element chunks, "
+                               f"the shards were cut at {chunk}")
+        pieces = [self._piece_of_view[id(v)] for v in engine.params]
+        firsts, counts, global_chunks = [], [], 0
+        first_of = {}
+        for pc in pieces:
+            n = -(-pc.param.numel() // chunk)
+            first_of[id(pc.param)] = global_chunks
+            firsts.append(global_chunks)
+            counts.append(n)
+            global_chunks += n
+        # Each rank's chunks in this engine: one contiguous range of the global chunks (its pieces of
+        # these parameters are consecutive in flat order, and every cut is a chunk boundary).
+        spans = []
+        for rank_pieces in self._pieces:
+            in_engine = [pc for pc in rank_pieces if id(pc.param) in first_of and pc.end > pc.begin]
+            n = sum(-(-(pc.end - pc.begin) // chunk) for pc in in_engine)
+            spans.append((first_of[id(in_engine[0].param)] + in_engine[0].begin // chunk if in_engine else 0, n))
+        width = max(n for _, n in spans)
+        group = self.process_group
+
+        def exchange(phase, rows, local, glob):
+            rows_t = torch.tensor(rows, dtype=torch.long, device=local.device)
+            send = torch.zeros(len(rows), width, dtype=local.dtype, device=local.device)
+            mine = spans[self.rank][1]
+            send[:, :mine] = local.index_select(0, rows_t)
+            recv = [torch.empty_like(send) for _ in range(self.world)]
+            dist.all_gather(recv, send, group=group)
+            for (first, n), part in zip(spans, recv):
+                if n:
+                    glob[rows_t, first:first + n] = part[:, :n]
+
+        engine.core._set_exchange(global_chunks, firsts, counts, exchange)
 
     def _take_state_from(self, optimizer):
         """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
@@ -190,6 +240,14 @@ class ZeRO(torch.optim.Optimizer):
         """The unsharded state dict in the wrapped optimizer's (torch's) format, on every rank. The
         pieces travel as CPU tensors through all_gather_object (simple, not fast: for checkpoints)."""
         self._inner._sync_steps(write_state=True)  # step counts into the pieces' state
+        # Group-level state the class writes into its groups when saving (timm's Lamb keeps its step
+        # count in the group): every rank's pieces have the same counts, so the inner groups' value
+        # is the unsharded one.
+        self._inner.state_dict()
+        for outer, inner in zip(self.param_groups, self._inner.param_groups):
+            for k, v in inner.items():
+                if k != "params" and (k == "step" or k not in outer):
+                    outer[k] = v
         local = {}
         for pc in self._mine:
             st = self._inner.state.get(pc.view)
