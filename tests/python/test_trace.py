@@ -434,6 +434,18 @@ def test_python_math_that_would_freeze_a_value_is_refused(how, match):
         oft.fuse(_Python(model.parameters(), how))
 
 
+_sqrt_bound_at_import = math.sqrt  # `from math import sqrt`: the tracer's symbolic math.sqrt never sees it
+
+
+def test_verification_changes_every_hyperparameter():
+    """A hyperparameter frozen into the trace where the recorder cannot see it (a math function bound
+    before tracing, numpy) made a trace that the verification, which used to change only lr, passed.
+    It now changes every float option half way, so such a trace is refused."""
+    model = make_model("cpu")
+    with pytest.raises(optfuse.OptfuseError, match="differs from the original at step 4"):
+        oft.fuse(_Python(model.parameters(), lambda g: g["lr"] * _sqrt_bound_at_import(g["momentum"])))
+
+
 def test_a_value_kept_in_the_group_is_refused():
     """schedulefree's construct: a running value (lr_max, weight_sum) the step keeps in the param group."""
     class RunningMax(_Python):
