@@ -371,7 +371,19 @@ def test_step_count_in_the_group_is_the_step():
     assert ours.state_dict()["param_groups"][0]["step"] == STEPS
 
 
-@pytest.mark.parametrize("cls", [GroupStepAdam, ParitySwap])
+class GroupStepWarmup(GroupStepAdam):
+    """No per-parameter state at all: the group's count alone says how far the warm-up is."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            scale = g["step"] / 8 if g["step"] < 8 else 1.0
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-g["lr"] * scale)
+
+
+@pytest.mark.parametrize("cls", [GroupStepAdam, ParitySwap, GroupStepWarmup])
 def test_step_count_in_the_group_mid_training_and_back(cls):
     """fuse() after 5 steps reads each parameter's step from the group; the original class loading the
     fused state dict goes on from the right count."""

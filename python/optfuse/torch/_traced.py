@@ -57,10 +57,15 @@ class Traced(FusedOptimizer):
             # with state has taken group[counter] steps, one without starts (its first-step trace)
             st = self.state.get(p) or {}
             layout = self._layout()
-            g = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-            has_state = layout.states and all(k in st for k in layout.states)
+            g = self._group_of[p]
+            has_state = all(k in st for k in layout.states)  # an optimizer without states: always
             self._steps[p] = int(g.get(self._counters[0], 0)) if has_state else 0
         return super()._step_of(p)
+
+    def _rebuild(self):
+        if self._counters:
+            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        super()._rebuild()
 
     def _step_impl(self, closure=None, *, grad_scale=None, found_inf=None):
         loss = super()._step_impl(closure, grad_scale=grad_scale, found_inf=found_inf)
