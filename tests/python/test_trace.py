@@ -5,6 +5,7 @@ bitwise): hand-written ones (Lion, a warm-up that branches on the step, a torch.
 with per-group flags, an lr scheduler, mid-training fuse, state dicts both ways), third-party ones
 from PyPI (lion-pytorch, timm.optim), and the refusals (clear errors naming what cannot be traced)."""
 import inspect
+import math
 
 import pytest
 import torch
@@ -213,7 +214,8 @@ def test_third_party_optimizers_match_or_are_refused(device):
         assert rel_diff(model, ref_model) <= tol(device), name
         matched.append(name)
     print(f"\ntraced and matching: {len(matched)} {matched}\nrefused: {len(refused)} {refused}")
-    must_match = {"lion_pytorch.Lion", "timm.optim.Lion", "timm.optim.NAdamW", "timm.optim.AdamWLegacy"}
+    must_match = {"lion_pytorch.Lion", "timm.optim.Lion", "timm.optim.NAdamW", "timm.optim.AdamWLegacy",
+                  "timm.optim.Adan"}  # Adan: its step count is group['step']
     assert must_match & {n for n, _ in THIRD_PARTY} <= set(matched)
 
 
@@ -297,8 +299,178 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
     print(f"matching: {len(matched)}, refused: {len(outcome) - len(matched)}")
     must_match = {"pytorch_optimizer.AdamW", "pytorch_optimizer.AdaDelta", "pytorch_optimizer.Kate",
                   "pytorch_optimizer.SGDW", "pytorch_optimizer.AccSGD", "pytorch_optimizer.Lion",
-                  "pytorch_optimizer.Tiger"}
+                  "pytorch_optimizer.Tiger",
+                  # the step count kept in group['step'] (PNM, AdaPNM: also its parity, step % 2)
+                  "pytorch_optimizer.AdaBelief", "pytorch_optimizer.AdaMax", "pytorch_optimizer.AdaPNM",
+                  "pytorch_optimizer.Adan", "pytorch_optimizer.ADOPT", "pytorch_optimizer.Grams",
+                  "pytorch_optimizer.PNM", "pytorch_optimizer.Yogi"}
     assert must_match & set(outcome) <= matched
+    # schedulefree keeps lr_max and weight_sum (a running max / sum over the lr history) in the param
+    # group: a per-group scalar state the IR has not. Refused naming it, not as "differs".
+    for n in SCHEDULEFREE_CLASSES:
+        if f"schedulefree.{n}" in outcome:
+            assert "writes group['lr_max']" in outcome[f"schedulefree.{n}"], outcome[f"schedulefree.{n}"]
+    assert not [n for n, o in outcome.items() if "differs from the original" in o], outcome
+
+
+# A step count kept in the param group (pytorch-optimizer's group['step'], schedulefree's group['k']):
+# before, it was read as a hyperparameter that the fused optimizer never advanced, so every step was
+# traced as the first (bias corrections frozen at step 1); verification refused 8 pytorch-optimizer
+# classes for it. Now it is the rule's step input and the fused optimizer advances it as the original does.
+class GroupStepAdam(torch.optim.Optimizer):
+    """Adam as pytorch-optimizer writes it: the step count in the group, bias corrections by math."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            if "step" not in g:
+                g["step"] = 0
+            g["step"] += 1
+            b1, b2 = g["betas"]
+            bc1 = 1.0 - math.pow(b1, g["step"])
+            bc2_sq = math.sqrt(1.0 - math.pow(b2, g["step"]))
+            for p in g["params"]:
+                st = self.state[p]
+                if len(st) == 0:
+                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                st["exp_avg"].lerp_(p.grad, 1.0 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1.0 - b2)
+                p.addcdiv_(st["exp_avg"], st["exp_avg_sq"].sqrt().div_(bc2_sq).add_(g["eps"]), value=-g["lr"] / bc1)
+
+
+class ParitySwap(GroupStepAdam):
+    """PNM's construct: two momenta whose roles swap on even steps (group['step'] % 2)."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            for p in g["params"]:
+                st = self.state[p]
+                if len(st) == 0:
+                    st["pos"], st["neg"] = torch.zeros_like(p), torch.zeros_like(p)
+                pos, neg = (st["pos"], st["neg"]) if g["step"] % 2 == 1 else (st["neg"], st["pos"])
+                pos.lerp_(p.grad, 1.0 - g["betas"][0] ** 2)
+                p.add_(pos.mul(1.5).add_(neg, alpha=-0.5), alpha=-g["lr"])
+
+
+def test_step_count_in_the_group_is_the_step():
+    model = make_model("cpu")
+    ref_model = twin(model)
+    ref = GroupStepAdam(ref_model.parameters())
+    ours = oft.fuse(GroupStepAdam(model.parameters()))
+    assert type(ours).__name__ == "Traced"
+    train(model, ours, STEPS, "cpu")
+    train(ref_model, ref, STEPS, "cpu")
+    assert rel_diff(model, ref_model) <= TOL
+    assert ours.param_groups[0]["step"] == ref.param_groups[0]["step"] == STEPS
+    assert type(ours.param_groups[0]["step"]) is int
+    assert ours.state_dict()["param_groups"][0]["step"] == STEPS
+
+
+class GroupStepWarmup(GroupStepAdam):
+    """No per-parameter state at all: the group's count alone says how far the warm-up is."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            scale = g["step"] / 8 if g["step"] < 8 else 1.0
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-g["lr"] * scale)
+
+
+@pytest.mark.parametrize("cls", [GroupStepAdam, ParitySwap, GroupStepWarmup])
+def test_step_count_in_the_group_mid_training_and_back(cls):
+    """fuse() after 5 steps reads each parameter's step from the group; the original class loading the
+    fused state dict goes on from the right count."""
+    model = make_model("cpu")
+    ref_model = twin(model)
+    ref = cls(ref_model.parameters())
+    train(ref_model, ref, STEPS, "cpu")
+    first = cls(model.parameters())
+    train(model, first, 5, "cpu")
+    fused = oft.fuse(first)
+    train(model, fused, 10, "cpu", start=5)
+    assert fused.param_groups[0]["step"] == 15
+    back = cls(model.parameters())
+    back.load_state_dict(fused.state_dict())
+    train(model, back, 5, "cpu", start=15)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_step_parity_swaps_the_states():
+    model = make_model("cpu")
+    ref_model = twin(model)
+    ref = ParitySwap(ref_model.parameters())
+    ours = oft.fuse(ParitySwap(model.parameters()))
+    train(model, ours, STEPS, "cpu")
+    train(ref_model, ref, STEPS, "cpu")
+    assert rel_diff(model, ref_model) <= TOL
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        for k in ("pos", "neg"):  # the roles swapped back and forth: each state is still its own
+            assert (ours.state[p][k] - ref.state[q][k]).abs().max().item() <= 1e-5
+
+
+class _Python(torch.optim.Optimizer):
+    """One update line, written as `how` (a function of the group) says."""
+
+    def __init__(self, params, how):
+        super().__init__(params, dict(lr=0.1, momentum=0.5))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            g["step"] = g.get("step", 0) + 1
+            for p in g["params"]:
+                p.add_(p.grad, alpha=-self.how(g))
+
+
+@pytest.mark.parametrize("how,match", [
+    # float() of a hyperparameter used to return a plain number: momentum frozen into the trace, and the
+    # verification (which changes only lr) passed it; a later momentum change was silently ignored
+    (lambda g: g["lr"] * float(g["momentum"]), r"float\(\) of a hyperparameter"),
+    (lambda g: g["lr"] * (g["step"] % 3), r"'%' of a .*by 3"),
+    (lambda g: g["lr"] * (g["step"] // 2), r"'//'"),
+    (lambda g: g["lr"] * math.floor(g["step"] / 2), r"math\.floor"),
+    (lambda g: g["lr"] * math.tanh(g["momentum"]), r"math\.tanh"),
+    (lambda g: g["lr"] * round(g["momentum"], 2), r"round\(\)"),
+], ids=["float", "mod3", "floordiv", "math.floor", "math.tanh", "round"])
+def test_python_math_that_would_freeze_a_value_is_refused(how, match):
+    model = make_model("cpu")
+    with pytest.raises(optfuse.OptfuseError, match=match):
+        oft.fuse(_Python(model.parameters(), how))
+
+
+_sqrt_bound_at_import = math.sqrt  # `from math import sqrt`: the tracer's symbolic math.sqrt never sees it
+
+
+def test_verification_changes_every_hyperparameter():
+    """A hyperparameter frozen into the trace where the recorder cannot see it (a math function bound
+    before tracing, numpy) made a trace that the verification, which used to change only lr, passed.
+    It now changes every float option half way, so such a trace is refused."""
+    model = make_model("cpu")
+    with pytest.raises(optfuse.OptfuseError, match="differs from the original at step 4"):
+        oft.fuse(_Python(model.parameters(), lambda g: g["lr"] * _sqrt_bound_at_import(g["momentum"])))
+
+
+def test_a_value_kept_in_the_group_is_refused():
+    """schedulefree's construct: a running value (lr_max, weight_sum) the step keeps in the param group."""
+    class RunningMax(_Python):
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                g["lr_max"] = max(g["lr"], g.get("lr_max", -1.0))
+                for p in g["params"]:
+                    p.add_(p.grad, alpha=-g["lr_max"])
+
+    model = make_model("cpu")
+    with pytest.raises(optfuse.OptfuseError, match=r"RunningMax.*writes group\['lr_max'\].*per-group scalar state"):
+        oft.fuse(RunningMax(model.parameters(), None))
 
 
 class GroupCounter(torch.optim.Optimizer):

@@ -49,6 +49,11 @@ class _Paths:
         return outcome
 
 
+def _f(x):
+    """x's value as a plain float (a SymFloat's without calling its __float__, which refuses)."""
+    return float.__float__(x) if isinstance(x, float) else float(x)
+
+
 class SymFloat(float):
     """A Python float that also carries an optfuse expression (a hyperparameter, the step, or math
     on them). Arithmetic keeps it symbolic; a comparison used as a Python condition is traced both ways."""
@@ -62,14 +67,14 @@ class SymFloat(float):
         if isinstance(other, SymFloat):
             return other.expr
         if isinstance(other, (int, float)) and not isinstance(other, bool):
-            return float(other)
+            return _f(other)
         return None
 
     def _bin(self, other, fn, exprfn, reverse=False):
         o = self._lift(other)
         if o is None:
             return NotImplemented
-        a, b = (float(other), float(self)) if reverse else (float(self), float(other))
+        a, b = (_f(other), _f(self)) if reverse else (_f(self), _f(other))
         ea, eb = (o, self.expr) if reverse else (self.expr, o)
         return SymFloat(fn(a, b), exprfn(ea, eb), self.paths)
 
@@ -83,15 +88,15 @@ class SymFloat(float):
     def __rtruediv__(self, o): return self._bin(o, _safe_div, lambda a, b: a / b, True)
     def __pow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b))
     def __rpow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b), True)
-    def __neg__(self): return SymFloat(-float(self), -self.expr, self.paths)
+    def __neg__(self): return SymFloat(-_f(self), -self.expr, self.paths)
     def __pos__(self): return self
-    def __abs__(self): return SymFloat(abs(float(self)), _core.abs(self.expr), self.paths)
+    def __abs__(self): return SymFloat(abs(_f(self)), _core.abs(self.expr), self.paths)
 
     def _cmp(self, o, fn, exprfn):
         e = self._lift(o)
         if e is None:
             return NotImplemented
-        return self.paths.decide(exprfn(self.expr, e), fn(float(self), float(o)))
+        return self.paths.decide(exprfn(self.expr, e), fn(_f(self), _f(o)))
 
     def __lt__(self, o): return self._cmp(o, lambda a, b: a < b, lambda a, b: a < b)
     def __le__(self, o): return self._cmp(o, lambda a, b: a <= b, lambda a, b: a <= b)
@@ -99,11 +104,41 @@ class SymFloat(float):
     def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b, lambda a, b: a >= b)
     def __eq__(self, o): return self._cmp(o, lambda a, b: a == b, lambda a, b: a == b)
     def __ne__(self, o): return self._cmp(o, lambda a, b: a != b, lambda a, b: a != b)
-    def __bool__(self): return self.paths.decide(self.expr != 0.0, float(self) != 0.0)
+    def __bool__(self): return self.paths.decide(self.expr != 0.0, _f(self) != 0.0)
     __hash__ = float.__hash__
 
     def __int__(self):
         raise TraceError(f"int() of a hyperparameter- or step-dependent value at {_where()}: not traceable")
+
+    def __float__(self):
+        # float(x) would return a plain number: the hyperparameter frozen into the trace at its value now
+        raise TraceError(f"float() of a hyperparameter- or step-dependent value at {_where()}: its value would be "
+                         "frozen into the trace (use the value itself: it is a float)")
+
+    def __mod__(self, o):
+        # x % 2 of an integer x (the step's parity: PNM swaps its momenta on even steps) is
+        # (1 - (-1)^x) / 2, exact for integers; any other x gives NaN in the kernel where Python gives a
+        # fraction, so a use other than a comparison with 0 or 1 shows up as NaN, not as a wrong step.
+        # Other moduli need floor, which the IR has not.
+        if isinstance(o, (int, float)) and not isinstance(o, (bool, SymFloat)) and o == 2:
+            return SymFloat(_f(self) % 2.0, (1.0 - _core.pow(-1.0, self.expr)) * 0.5, self.paths)
+        raise TraceError(f"'%' of a hyperparameter- or step-dependent value (by {o!r}) at {_where()}: only x % 2 "
+                         "is expressible in the IR (it has no floor)")
+
+    def _no_rounding(self, *_, what):
+        raise TraceError(f"{what} of a hyperparameter- or step-dependent value at {_where()}: not expressible in "
+                         "the IR (it has no floor/round); its value would be frozen into the trace")
+
+    def __rmod__(self, o): return self._no_rounding(what="'%' by")
+    def __floordiv__(self, o): return self._no_rounding(what="'//'")
+    def __rfloordiv__(self, o): return self._no_rounding(what="'//' by")
+    def __divmod__(self, o): return self._no_rounding(what="divmod()")
+    def __rdivmod__(self, o): return self._no_rounding(what="divmod() by")
+    def __round__(self, n=None): return self._no_rounding(what="round()")
+    def __trunc__(self): return self._no_rounding(what="math.trunc()")
+    def __floor__(self): return self._no_rounding(what="math.floor()")
+    def __ceil__(self): return self._no_rounding(what="math.ceil()")
+    def is_integer(self): return self._no_rounding(what="is_integer()")
 
 
 def _safe_div(a, b):
@@ -128,17 +163,41 @@ def _symbolic_math(fn, exprfn):
         if isinstance(x, SymFloat) or any(isinstance(r, SymFloat) for r in rest):
             xs = (x,) + rest
             try:
-                value = fn(*(float(v) for v in xs))
+                value = fn(*(_f(v) for v in xs))
             except (ValueError, OverflowError, ZeroDivisionError):
                 value = math.nan
-            lifted = [v.expr if isinstance(v, SymFloat) else float(v) for v in xs]
+            lifted = [v.expr if isinstance(v, SymFloat) else _f(v) for v in xs]
             paths = next(v.paths for v in xs if isinstance(v, SymFloat))
             return SymFloat(value, exprfn(*lifted), paths)
         return fn(x, *rest)
     return wrapped
 
 
-_MATH = {"sqrt": _core.sqrt, "exp": _core.exp, "log": _core.log, "pow": _core.pow}
+_MATH = {"sqrt": _core.sqrt, "exp": _core.exp, "pow": _core.pow, "fabs": _core.abs,
+         "log": lambda x, base=None: _core.log(x) if base is None else _core.log(x) / _core.log(base)}
+
+
+def _refusing_math(name, fn):
+    """Every other math function returns a plain float, which would freeze a hyperparameter- or
+    step-dependent argument into the trace at its value now: refused instead."""
+    def wrapped(*xs):
+        if any(isinstance(x, SymFloat) or (isinstance(x, (list, tuple)) and any(isinstance(y, SymFloat) for y in x))
+               for x in xs):
+            raise TraceError(f"math.{name} of a hyperparameter- or step-dependent value at {_where()}: no optfuse "
+                             "equivalent recorded (its value would be frozen into the trace)")
+        return fn(*xs)
+    return wrapped
+
+
+def _patched_math():
+    """{name: replacement} for the math module while a step is traced."""
+    out = {}
+    for n in dir(math):
+        f = getattr(math, n)
+        if n.startswith("_") or not callable(f):
+            continue
+        out[n] = _symbolic_math(f, _MATH[n]) if n in _MATH else _refusing_math(n, f)
+    return out
 
 
 # Ops whose result is a Python value that may carry an expression.
@@ -317,11 +376,13 @@ def _numeric(v):
     return (isinstance(v, (int, float)) and not isinstance(v, bool)) or (torch.is_tensor(v) and v.numel() == 1)
 
 
-def hyper_values(group):
-    """The param group's numeric options as rule hyperparameters: {"lr": 1e-3, "betas#0": 0.9, ...}."""
+def hyper_values(group, counters=()):
+    """The param group's numeric options as rule hyperparameters: {"lr": 1e-3, "betas#0": 0.9, ...}.
+    `counters` are group entries the step increments (a step count kept in the group): the rule's
+    step input, not hyperparameters."""
     out = {}
     for k, v in group.items():
-        if k == "params":
+        if k == "params" or k in counters:
             continue
         if _numeric(v):
             out[k] = float(v)
@@ -331,21 +392,31 @@ def hyper_values(group):
     return out
 
 
-def structure(group):
+def structure(group, counters=()):
     """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings)."""
-    h = hyper_values(group)
+    h = hyper_values(group, counters)
     return tuple((k, repr(v)) for k, v in sorted(group.items())
-                 if k != "params" and k not in h and f"{k}_0" not in h)
+                 if k != "params" and k not in counters and k not in h and f"{k}_0" not in h)
+
+
+def _group_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class _Layout:
-    """What the optimizer keeps per parameter, found by stepping a probe twice without recording."""
+    """What the optimizer keeps per parameter, found by stepping a probe twice without recording; and
+    what its step writes into the param group (a step count kept there: pytorch-optimizer's
+    group['step'], schedulefree's group['k'])."""
 
     def __init__(self, opt, group):
         probe, p = _probe(opt, group, None)
+        g = probe.param_groups[0]
+        seen = [{k: _private(v) for k, v in g.items()}]
         for _ in range(2):
             p.grad = torch.randn_like(p)
             probe.step()
+            seen.append({k: _private(v) for k, v in g.items()})
+        self.counters, self.group_states = _group_writes(type(opt).__name__, seen)
         st = probe.state.get(p, {})
         self.states, self.step_key, self.step_is_tensor = [], None, False
         for k, v in st.items():
@@ -359,6 +430,54 @@ class _Layout:
                 raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
                                  f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "
                                  "a tensor of the parameter's shape nor the step count: not traceable yet")
+        if self.counters and self.step_key is not None:
+            raise TraceError(f"{type(opt).__name__} keeps a step count both per parameter (state '{self.step_key}') "
+                             f"and in the param group ({', '.join(self.counters)}): not traceable yet")
+
+
+def _group_writes(cls, seen):
+    """The param group's entries as a probe stepped twice (seen: before, after 1, after 2 steps):
+    counters (Python numbers the step adds exactly 1 to, from 0 or absent on a fresh group) and the
+    keys of other values the step writes into the group (a running sum or maximum of
+    hyperparameters kept across steps: a per-group scalar state, which the IR has not)."""
+    counters, written = [], []
+    for k in sorted(set(seen[1]) | set(seen[2])):
+        if k == "params":
+            continue
+        vals = [d.get(k) for d in seen]
+        if (k not in seen[0] or _same(vals[0], vals[1])) and _same(vals[1], vals[2]):
+            continue  # not written, or only created on the first step with a value it keeps (MADGRAD's 'step')
+        if (all(_group_number(v) for v in vals[1:]) and vals[2] == vals[1] + 1
+                and (vals[1] == 1 if k not in seen[0] else _group_number(vals[0]) and vals[1] == vals[0] + 1)):
+            counters.append(k)
+        else:
+            written.append(k)
+    return tuple(counters), tuple(written)
+
+
+def _same(a, b):
+    if type(a) is not type(b):
+        return False
+    if torch.is_tensor(a):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and bool((a == b).all())
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _group_state_message(cls, keys):
+    more = f", as are {', '.join(keys[1:])}" if keys[1:] else ""
+    return (f"{cls}'s step writes group['{keys[0]}'] (a value it computes and keeps in the param group{more}): a "
+            "per-group scalar state, which the IR has not")
+
+
+def group_counters(opt):
+    """The group entries every group's step increments (see _Layout), for hyper_values/structure."""
+    keys = set()
+    for g in opt.param_groups:
+        keys |= set(_Layout(opt, g).counters)
+    return frozenset(keys)
 
 
 def _private(v):
@@ -389,9 +508,12 @@ def _probe(opt, group, hyper_subst, shape=None):
 def _trace_once(opt, group, layout, b, first, forced):
     """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths)."""
     paths = _Paths(forced)
-    hypers = hyper_values(group)
+    hypers = hyper_values(group, layout.counters)
 
     def subst(k, v):
+        if k in layout.counters:
+            # the group's step count before this step: step - 1 (0 on the first step, as a fresh group has)
+            return SymFloat(0.0 if first else float(LATER_STEP), b.step() - 1.0, paths)
         if k in hypers:
             return SymFloat(float(v), b.hyper(k), paths)
         if isinstance(v, (tuple, list)) and f"{k}_0" in hypers:
@@ -399,6 +521,9 @@ def _trace_once(opt, group, layout, b, first, forced):
         return v
 
     probe, p = _probe(opt, group, subst)
+    for k in layout.counters:  # a fresh group has none yet: the optimizer's own code would start it at 0
+        if k not in probe.param_groups[0]:
+            probe.param_groups[0][k] = subst(k, 0)
     rec = _Recorder(b, paths)
     rec.bind(p, b.param(), "element")
     p.grad = torch.randn_like(p)
@@ -417,15 +542,23 @@ def _trace_once(opt, group, layout, b, first, forced):
                 st[layout.step_key] = t
             else:
                 st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
-    saved = {n: getattr(math, n) for n in _MATH}
+    inputs = dict(probe.param_groups[0])
+    patched = _patched_math()
+    saved = {n: getattr(math, n) for n in patched}
     try:
-        for n, exprfn in _MATH.items():
-            setattr(math, n, _symbolic_math(saved[n], exprfn))
+        for n, f in patched.items():
+            setattr(math, n, f)
         with rec:
             probe.step()
     finally:
         for n, f in saved.items():
             setattr(math, n, f)
+    for k, v in probe.param_groups[0].items():
+        # a value computed from hyperparameters or the step and kept in the group (for the next step to
+        # read, or for logging): a per-group scalar state; the fused optimizer would never write it
+        if k not in layout.counters and (k not in inputs or v is not inputs[k]) and (
+                isinstance(v, SymFloat) or isinstance(v, (tuple, list)) and any(isinstance(x, SymFloat) for x in v)):
+            raise TraceError(_group_state_message(type(opt).__name__, [k]))
     st = probe.state.get(p, {})
 
     def expr_of(t, what):
@@ -489,8 +622,10 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
 def traced_rule(opt, group):
     """An optfuse Rule equivalent to one step of `opt` on a parameter of `group` (TraceError if not)."""
     layout = _Layout(opt, group)
+    if layout.group_states:
+        raise TraceError(_group_state_message(type(opt).__name__, layout.group_states))
     rule = _core.Rule(f"traced_{type(opt).__name__}")
-    for k, v in hyper_values(group).items():
+    for k, v in hyper_values(group, layout.counters).items():
         rule.hyper(k, v)
     for k in layout.states:
         rule.state(k, 0.0)

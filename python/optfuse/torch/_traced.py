@@ -3,7 +3,7 @@ run by the same engine as every optfuse.torch optimizer, and checked against the
 import torch
 
 from ._base import FusedOptimizer, OptfuseError
-from ._trace import TraceError, _probe, hyper_values, structure, traced_rule
+from ._trace import TraceError, _probe, group_counters, hyper_values, structure, traced_rule
 
 VERIFY_STEPS = 6       # steps of the original and the traced optimizer side by side on probes
 VERIFY_SIDE = 17       # probes of each parameter dimensionality in the group, every side at most this (odd)
@@ -15,7 +15,7 @@ class Traced(FusedOptimizer):
     state keys and state_dict format as the original (the step, where it keeps one, as it does)."""
 
     def _structure(self, g):
-        return structure(g)
+        return structure(g, self._counters)
 
     def _make_chain(self, key, features, groups):
         rule, layout = self._rules.get(key) or self._trace(groups[0], key)
@@ -30,7 +30,7 @@ class Traced(FusedOptimizer):
                 out.update({f"{k}_{i}": x for i, x in enumerate(v)})
             else:
                 out[k] = v
-        return {k: v for k, v in out.items() if k in hyper_values(g)}
+        return {k: v for k, v in out.items() if k in hyper_values(g, self._counters)}
 
     def _trace(self, group, key):
         entry = traced_rule(self._original, group)
@@ -51,6 +51,38 @@ class Traced(FusedOptimizer):
             return 0  # no state yet: the first-step trace (the optimizer creates it) applies
         return step
 
+    def _step_of(self, p):
+        if p not in self._steps and self._counters:
+            # the step count is kept in the param group (all its parameters step together): a parameter
+            # with state has taken group[counter] steps, one without starts (its first-step trace)
+            st = self.state.get(p) or {}
+            layout = self._layout()
+            g = self._group_of[p]
+            has_state = all(k in st for k in layout.states)  # an optimizer without states: always
+            self._steps[p] = int(g.get(self._counters[0], 0)) if has_state else 0
+        return super()._step_of(p)
+
+    def _rebuild(self):
+        if self._counters:
+            self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        super()._rebuild()
+
+    def _step_impl(self, closure=None, *, grad_scale=None, found_inf=None):
+        loss = super()._step_impl(closure, grad_scale=grad_scale, found_inf=found_inf)
+        if self._counters:
+            if found_inf is None and getattr(self, "found_inf", None) is None:
+                for g in self.param_groups:  # as the original does: every group, every step
+                    for k in self._counters:
+                        g[k] = g.get(k, 0) + 1
+            else:  # the kernel may have skipped the step: the counts it kept say
+                self._sync_steps()
+                for g in self.param_groups:
+                    counts = [self._steps[p] for p in g["params"] if p in self._steps]
+                    for k in self._counters:
+                        if counts:
+                            g[k] = type(g.get(k, 0))(max(counts))
+        return loss
+
     def _sync_steps(self, write_state=False):
         super()._sync_steps(write_state)
         layout = self._layout() if self._rules else None
@@ -60,16 +92,17 @@ class Traced(FusedOptimizer):
                     st[layout.step_key] = int(st[layout.step_key])
 
 
-def _new_traced(original, param_groups, defaults, rules=None):
+def _new_traced(original, param_groups, defaults, rules=None, counters=frozenset()):
     t = Traced.__new__(Traced)
+    t._counters = tuple(sorted(counters))
     keys = set()
     for g in param_groups:
-        keys |= {k.rsplit("_", 1)[0] if k not in g else k for k in hyper_values(g)}
+        keys |= {k.rsplit("_", 1)[0] if k not in g else k for k in hyper_values(g, counters)}
     t._sig_keys = tuple(sorted(keys))
     t._original = original
     t._rules = {} if rules is None else rules
     for g in param_groups:  # trace every structure now: errors surface in fuse(), not at the first step
-        key = structure(g)
+        key = structure(g, counters)
         if key not in t._rules:
             t._rules[key] = traced_rule(original, g)
     layout = next(iter(t._rules.values()))[1]
@@ -83,30 +116,40 @@ def _max_rel(a, b):
     return (a - b).abs().max().item() / (den if den > 0 else 1.0)
 
 
-def _verify(original, traced_rules):
+def _verify(original, traced_rules, counters=frozenset()):
     """The traced optimizer against the original on a probe parameter per group, VERIFY_STEPS steps with
-    new gradients, lr (where numeric) halved half way: the parameter and every state must agree."""
+    new gradients, every float option changed half way (lr halved, the others x0.9): the parameter and
+    every state must agree."""
     gen = torch.Generator().manual_seed(0)
     for gi, g in enumerate(original.param_groups):
         for shape in sorted({tuple(min(d, VERIFY_SIDE) for d in p.shape) for p in g["params"]}):
-            _verify_one(original, traced_rules, gi, g, shape, gen)
+            _verify_one(original, traced_rules, gi, g, shape, gen, counters)
 
 
-def _verify_one(original, traced_rules, gi, g, shape, gen):
+def _verify_one(original, traced_rules, gi, g, shape, gen, counters=frozenset()):
     """One group, one probe shape: the original and the traced optimizer side by side."""
     ref, _ = _probe(original, g, None)
     rp = torch.randn(shape, generator=gen)
     ref.param_groups[0]["params"] = [rp]
     q = rp.clone()
-    ours = _new_traced(original, [dict({k: v for k, v in g.items() if k != "params"}, params=[q])],
-                       dict(original.defaults), traced_rules)
+    options = {k: v for k, v in g.items() if k != "params"}
+    for k in counters:  # the probes start with fresh state: from a fresh group's count too
+        options[k] = ref.param_groups[0][k] = 0
+    ours = _new_traced(original, [dict(options, params=[q])], dict(original.defaults), traced_rules, counters)
     for s in range(VERIFY_STEPS):
         grad = torch.randn(shape, generator=gen) * (0.1 if s % 2 else 1.0)
         rp.grad, q.grad = grad.clone(), grad.clone()
         if s == VERIFY_STEPS // 2:
+            # every float option changes (lr halved, the others x0.9): one frozen into the trace (read
+            # in a way the recorder did not see) makes the two differ from here on
             for og in (ref.param_groups[0], ours.param_groups[0]):
-                if isinstance(og.get("lr"), float):
-                    og["lr"] = og["lr"] * 0.5
+                for k, v in list(og.items()):
+                    if k in counters or k == "params":
+                        continue
+                    if type(v) is float:
+                        og[k] = v * (0.5 if k == "lr" else 0.9)
+                    elif isinstance(v, (tuple, list)) and any(type(x) is float for x in v):
+                        og[k] = type(v)(x * 0.9 if type(x) is float else x for x in v)
         ref.step()
         ours.step()
         d = _max_rel(q, rp)
@@ -115,6 +158,10 @@ def _verify_one(original, traced_rules, gi, g, shape, gen):
                              f"original at step {s + 1}: "
                              f"max relative difference {d:.3g} of the parameter (allowed {VERIFY_TOL})")
     ours._sync_steps(write_state=True)
+    for k in counters:
+        if ours.param_groups[0].get(k) != ref.param_groups[0].get(k):
+            raise TraceError(f"the step count group['{k}'] of group {gi} is {ours.param_groups[0].get(k)} after "
+                             f"{VERIFY_STEPS} traced steps, {ref.param_groups[0].get(k)} after the original's")
     for k, v in ref.state[rp].items():
         w = ours.state[q].get(k)
         if torch.is_tensor(v) and v.shape == rp.shape and not _max_rel(w, v) <= VERIFY_TOL:
@@ -126,17 +173,18 @@ def fuse_by_tracing(opt):
     name = f"{type(opt).__module__}.{type(opt).__qualname__}"
     try:
         rules = {}
+        counters = group_counters(opt)
         for g in opt.param_groups:
-            key = structure(g)
+            key = structure(g, counters)
             if key not in rules:
                 rules[key] = traced_rule(opt, g)
-        _verify(opt, rules)
+        _verify(opt, rules, counters)
     except TraceError as e:
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: {e}") from None
     except Exception as e:  # noqa: BLE001  (the optimizer's own code failed on the probe)
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: tracing its step raised "
                            f"{type(e).__name__}: {e}") from e
-    new = _new_traced(opt, opt.param_groups, dict(opt.defaults), rules)
+    new = _new_traced(opt, opt.param_groups, dict(opt.defaults), rules, counters)
     for p, st in opt.state.items():
         new.state[p] = dict(st)
     return new
