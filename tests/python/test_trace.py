@@ -297,7 +297,8 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
     print(f"matching: {len(matched)}, refused: {len(outcome) - len(matched)}")
     must_match = {"pytorch_optimizer.AdamW", "pytorch_optimizer.AdaDelta", "pytorch_optimizer.Kate",
                   "pytorch_optimizer.SGDW", "pytorch_optimizer.AccSGD", "pytorch_optimizer.Lion",
-                  "pytorch_optimizer.Tiger"}
+                  "pytorch_optimizer.Tiger",
+                  "schedulefree.AdamWScheduleFree"}  # fuse() maps it to optfuse.torch.AdamWScheduleFree
     assert must_match & set(outcome) <= matched
 
 
