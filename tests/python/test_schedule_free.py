@@ -294,6 +294,10 @@ def test_low_precision_options():
     for bad in (dict(master_weights="remainders"), dict(kahan=True)):
         with pytest.raises(optfuse.OptfuseError, match="AdamWScheduleFree"):
             oft.AdamWScheduleFree([torch.nn.Parameter(torch.zeros(2).bfloat16())], **bad)
+        plain = oft.AdamWScheduleFree([torch.nn.Parameter(torch.zeros(2).bfloat16())])
+        with pytest.raises(optfuse.OptfuseError, match="AdamWScheduleFree: (master_weights|kahan)"):
+            plain.add_param_group(dict(params=[torch.nn.Parameter(torch.zeros(2).bfloat16())], **bad))
+        assert len(plain.param_groups) == 1  # the refused group is not kept
 
 
 def test_step_hooks_run_the_schedule():

@@ -52,13 +52,13 @@ class AdamWScheduleFree(FusedOptimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        g = self.param_groups[-1]
+        g = {**self.defaults, **param_group}  # checked before the group is added: a refused one is not kept
         if g.get("master_weights") == "remainders" or g.get("kahan", False):
             what = "master_weights='remainders'" if g.get("master_weights") == "remainders" else "kahan=True"
             raise OptfuseError(f"AdamWScheduleFree: {what} is not supported: train()/eval() move the parameters "
                                "between y and x outside the kernel, which would leave the remainder or compensation "
                                "stale; use master_weights=True (a float32 master copy) instead")
+        super().add_param_group(param_group)
 
     def _make_chain(self, key, features, groups):
         g = groups[0]
