@@ -28,6 +28,10 @@
 //   scale_by_ademamix       b1=0.9 b2=0.999 b3=0.9999 alpha=2 t_alpha=0 t_beta3=0 eps=1e-8
 //                                                    (AdEMAMix's mixed fast/slow EMA update, without lr;
 //                                                    t_alpha, t_beta3: warm-up steps of alpha and b3, 0 = none)
+//   schedule_free_adamw     lr=0.0025 b1=0.9 b2=0.999 eps=1e-8 weight_decay=0 warmup_steps=0
+//                                                    (schedulefree's AdamWScheduleFree step in train mode; states z
+//                                                    (starts as the parameter), exp_avg_sq; hyperparameters set per
+//                                                    step: ckp1=-1 (1/t), group_step=0 (the step count))
 //   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
 //   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
 //   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
@@ -44,6 +48,8 @@
 //            (timm.optim.Lamb; max_lr > 0 is its corrected_weight_decay with max_lr_snapshot)
 //   ademamix lr=1e-3 betas=(0.9,0.999,0.9999) alpha=2 t_beta3=0 t_alpha=0 eps=1e-8 weight_decay=0
 //            (apple/ml-ademamix's AdEMAMix: p -= lr * (update + weight_decay * p); b1=, b2=, b3= also accepted)
+//   adamw_schedule_free lr=0.0025 betas=(0.9,0.999) eps=1e-8 weight_decay=0 warmup_steps=0
+//            (schedulefree.AdamWScheduleFree; its r and weight_lr_power live in the averaging weight ckp1)
 //   lars     lr=1.0 momentum=0 dampening=0 weight_decay=0 nesterov=false trust_coeff=0.001 eps=1e-8
 //            trust_clip=false always_adapt=false (timm.optim.Lars)
 #pragma once
@@ -94,6 +100,7 @@ inline Chain adadelta(const Args& a = {}) { return make_builtin("adadelta", a); 
 inline Chain rprop(const Args& a = {}) { return make_builtin("rprop", a); }
 inline Chain asgd(const Args& a = {}) { return make_builtin("asgd", a); }
 inline Chain ademamix(const Args& a = {}) { return make_builtin("ademamix", a); }
+inline Chain adamw_schedule_free(const Args& a = {}) { return make_builtin("adamw_schedule_free", a); }
 inline Chain clip_by_global_norm(double max_norm) { return make_builtin("clip_by_global_norm", {{"max_norm", max_norm}}); }
 
 }  // namespace optfuse

@@ -38,8 +38,9 @@ struct HyperSpec {
 };
 
 struct StateSpec {
-  std::string name;   // e.g. "exp_avg"
-  double init = 0;    // every element starts at this value
+  std::string name;        // e.g. "exp_avg"
+  double init = 0;         // every element starts at this value
+  bool from_param = false; // every element starts as the parameter's value instead (schedule-free's z)
 };
 
 class RuleBuilder;
@@ -52,6 +53,8 @@ class Rule {
   // Builder-style declarations; each throws optfuse::Error on an invalid value or a duplicate name.
   Rule& hyper(const std::string& name, double value, Range range = Range::any());
   Rule& state(const std::string& name, double init = 0);
+  // A state slot that starts as a copy of the parameter (ProgramState::init_from_param).
+  Rule& state_from_param(const std::string& name);
   Rule& update(UpdateFn fn);
   // A note shown in `explain` (e.g. the boolean options the rule was built with).
   Rule& note(const std::string& text);
@@ -81,7 +84,8 @@ Chain chain(std::initializer_list<Chain> parts);
 struct ProgramState {
   std::string rule, name, qualified;
   double init = 0;
-  bool init_from_param = false;  // starts as a copy of the parameter (a master copy), not `init`
+  bool init_from_param = false;  // starts as a copy of the parameter (a master copy, a rule's
+                                 // state_from_param), not `init`
   bool fixed_dtype = false;      // must be stored as `dtype` (master copy: float32; remainder: int16)
   DType dtype = DType::f32;
 };

@@ -21,8 +21,10 @@ def chain(*parts):
 
 
 def init_states(optimizer, param):
-    """NumPy state arrays for one parameter, each filled with its slot's initial value, in the
-    optimizer's state order: what set_tensors expects as the third item of a tensor tuple."""
+    """NumPy state arrays for one parameter, each filled with its slot's initial value (a copy of the
+    parameter for a slot that starts as one: schedule-free's z, a master copy), in the optimizer's
+    state order: what set_tensors expects as the third item of a tensor tuple."""
     import numpy as np
 
-    return [np.full(param.shape, init, dtype=param.dtype) for _, _, init in optimizer.state_specs]
+    return [np.array(param, copy=True) if from_param else np.full(param.shape, init, dtype=param.dtype)
+            for (_, _, init), (from_param, _) in zip(optimizer.state_specs, optimizer.state_storage)]

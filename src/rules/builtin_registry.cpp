@@ -245,6 +245,22 @@ const std::map<std::string, Builtin>& registry() {
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
           return c;
         }}},
+      {"schedule_free_adamw",
+       {{{"lr", 0.0025}, {"b1", 0.9}, {"b2", 0.999}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"warmup_steps", 0.0}},
+        [](const Resolved& a) {
+          return Chain{rules::schedule_free_adamw(a.num("lr"), a.num("b1"), a.num("b2"), a.num("eps"),
+                                                  a.num("weight_decay"), a.num("warmup_steps"))};
+        }}},
+      // Schedule-free AdamW as the schedulefree package's AdamWScheduleFree (train mode: the
+      // parameter is y): its arguments and defaults, less r and weight_lr_power, which only shape
+      // the averaging weight ckp1 (a hyperparameter the caller sets each step; its default -1 is
+      // 1/t, right for r = 0 without warm-up). Decay is applied at y, inside the rule.
+      {"adamw_schedule_free",
+       {{{"lr", 0.0025}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"warmup_steps", 0.0}},
+        [](const Resolved& a) {
+          return Chain{rules::schedule_free_adamw(a.num("lr"), a.beta(0), a.beta(1), a.num("eps"), a.num("weight_decay"),
+                                                  a.num("warmup_steps"))};
+        }}},
       {"radam",
        {{{"lr", 1e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"decoupled_weight_decay", false},
          {"maximize", false}},

@@ -348,4 +348,50 @@ Rule scale_by_ademamix(double b1, double b2, double b3, double alpha, double t_a
   });
 }
 
+// Schedule-free AdamW (Defazio, Yang, Mehta, Mishchenko, Khaled, Cutkosky 2024, "The Road Less
+// Scheduled"), as the schedulefree package's AdamWScheduleFree steps it (train mode: the parameter
+// is y, the point the gradient is taken at). State z (the SGD-like sequence; starts as the
+// parameter) and exp_avg_sq; x, the average, is not stored: y = (1-b1) z + b1 x. At step t (the
+// group's step k + 1: the hyperparameter group_step where > 0, else this optimizer's step count):
+//   sched = t / warmup_steps  while t - 1 < warmup_steps, else 1;   lr_t = lr * sched
+//   exp_avg_sq = b2 exp_avg_sq + (1-b2) u^2
+//   gn = u / (sqrt(exp_avg_sq / (1 - b2^t)) + eps) + weight_decay * y    (decay at y)
+//   y  = lerp(y, z, ckp1) + lr_t (b1 (1 - ckp1) - 1) gn
+//   z  = z - lr_t gn
+// ckp1, the weight of the newest z in the average x, is weight / weight_sum with weight =
+// t^r lr_max^weight_lr_power summed over the steps (lr_max the largest lr_t so far): a running sum
+// over steps, kept by the caller and set every step (the torch class does). ckp1 < 0 (the default)
+// is 1/t: that value when r = 0 and lr_t is constant (warmup_steps = 0 or weight_lr_power = 0).
+// The order of operations is the reference's in-place one (lerp, then add), so it matches to float32
+// rounding. This rule writes the parameter itself (param base and update): it is the whole optimizer,
+// the last rule of a chain, and the only one that changes the parameter.
+Rule schedule_free_adamw(double lr, double b1, double b2, double eps, double weight_decay, double warmup_steps) {
+  Rule r("schedule_free_adamw");
+  r.hyper("lr", lr, Range::non_negative()).hyper("b1", b1, kBeta).hyper("b2", b2, kBeta);
+  r.hyper("eps", eps, Range::non_negative()).hyper("weight_decay", weight_decay);
+  r.hyper("warmup_steps", warmup_steps, Range::non_negative());
+  r.hyper("ckp1", -1.0, Range{-1e308, 1.0, false, false});
+  r.hyper("group_step", 0.0, Range::non_negative());
+  r.state_from_param("z").state("exp_avg_sq");
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), y = b.param(), z = b.state("z");
+    Expr t = b.name(select(b.hyper("group_step") > 0.0, b.hyper("group_step"), b.step()), "t");
+    Expr b1 = b.hyper("b1"), b2 = b.hyper("b2"), warmup = b.hyper("warmup_steps");
+    // Uniform (float64, as the reference's Python floats). warmup_steps = 0: the branch t / 0 is dropped.
+    Expr sched = select(t - 1.0 < warmup, t / warmup, b.constant(1.0));
+    Expr lr = b.name(b.hyper("lr") * sched, "scheduled_lr");
+    Expr ckp1 = b.name(select(b.hyper("ckp1") < 0.0, 1.0 / t, b.hyper("ckp1")), "ckp1");
+    Expr bc2 = b.name(1.0 - pow(b2, t), "bias_correction2");
+    Expr y_coef = b.name(lr * (b1 * (1.0 - ckp1) - 1.0), "y_grad_coef");
+    // Element (float32).
+    Expr v = new_exp_avg_sq(b, u, b2);
+    b.set_state("exp_avg_sq", v);
+    Expr denom = b.name(sqrt(v / bc2) + b.hyper("eps"), "denom");
+    Expr gn = b.name(u / denom + b.hyper("weight_decay") * y, "grad_normalized");
+    b.set_param_base(lerp(y, z, ckp1));
+    b.set_state("z", b.name(z - lr * gn, "z_new"));
+    return gn * y_coef;
+  });
+}
+
 }  // namespace optfuse::rules

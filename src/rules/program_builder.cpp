@@ -59,6 +59,12 @@ Rule& Rule::state(const std::string& name, double init) {
   return *this;
 }
 
+Rule& Rule::state_from_param(const std::string& name) {
+  state(name, 0);
+  states_.back().from_param = true;
+  return *this;
+}
+
 Rule& Rule::update(UpdateFn fn) {
   fn_ = std::move(fn);
   return *this;
@@ -256,7 +262,7 @@ Program build_program(const Chain& chain, const Precision& precision) {
   for (const Rule& r : chain) {
     int n = ++uses[r.name()];
     std::string prefix = n == 1 ? r.name() : r.name() + "#" + std::to_string(n);
-    for (auto& s : r.states()) p.states.push_back({r.name(), s.name, prefix + "." + s.name, s.init});
+    for (auto& s : r.states()) p.states.push_back({r.name(), s.name, prefix + "." + s.name, s.init, s.from_param});
     for (auto& h : r.hypers()) p.hypers.push_back({r.name(), h.name, prefix + "." + h.name, h.value, h.range});
     p.chain_text += (p.chain_text.empty() ? "" : ", ") + r.signature();
   }

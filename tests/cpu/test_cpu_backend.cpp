@@ -103,6 +103,9 @@ const std::vector<CpuCase>& cases() {
       // AdEMAMix: three moments, warm-ups of alpha and b3 as uniform functions of the step.
       {"ademamix(lr=0.01)"},
       {"ademamix(lr=0.01, betas=(0.8, 0.9, 0.99), alpha=5.0, t_alpha=3, t_beta3=5, weight_decay=0.1)"},
+      // Schedule-free AdamW: writes the parameter (a lerp towards z) and z in one pass; warm-up on the step.
+      {"adamw_schedule_free(lr=0.01)"},
+      {"adamw_schedule_free(lr=0.01, betas=(0.8, 0.9), weight_decay=0.1, warmup_steps=3)"},
   };
   return c;
 }

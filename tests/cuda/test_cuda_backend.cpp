@@ -78,6 +78,8 @@ std::vector<Case> all_cases() {
   add("chain(clip_by_global_norm(1.0), adamw())", chain({clip_by_global_norm(1.0), adamw()}));
   add("ademamix(warm-ups, weight_decay)",
       make_builtin("ademamix", {{"t_alpha", 3.0}, {"t_beta3", 5.0}, {"weight_decay", 0.1}, {"alpha", 5.0}}));
+  add("adamw_schedule_free(warmup, weight_decay)",
+      make_builtin("adamw_schedule_free", {{"lr", 0.01}, {"warmup_steps", 3.0}, {"weight_decay", 0.1}}));
   add("lamb(decoupled_decay, trust_clip, max_lr)",
       make_builtin("lamb", {{"decoupled_decay", true}, {"trust_clip", true}, {"max_lr", 2e-3}, {"weight_decay", 0.1}}));
   add("lamb(no clip, always_adapt, no bias correction)",

@@ -129,10 +129,8 @@ inline double run_case(const RuleCase& c, Backend backend, DType dtype) {
     r.param = buf(0);
     r.grad = buf(1);
     for (int64_t i = 0; i < places[t].numel; ++i) store_element(r.param.data, dtype, i, normal(rng));
-    for (size_t s = 0; s < ns; ++s) {
-      r.states.push_back(buf(2 + s));
-      fill_host_buffer(r.states.back(), prog.states[s].init);
-    }
+    for (size_t s = 0; s < ns; ++s) r.states.push_back(buf(2 + s));
+    init_host_states(opt.plan(), r);  // init values; a copy of the parameter for a from-param state
     refs.push_back(r);
   }
   opt.set_tensors(refs);

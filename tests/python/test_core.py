@@ -138,6 +138,20 @@ def test_numpy_cpu_matches_reference(spec, dtype):
     assert o_cpu.step_count(1) == 4 and o_cpu.backend == "cpu" and o_ref.backend == "reference"
 
 
+def test_init_states_copies_the_parameter_for_a_from_param_state():
+    """Schedule-free's z starts as the parameter; exp_avg_sq at 0. One step with ckp1 = 1 (its
+    default 1/t at t = 1) leaves y = z."""
+    opt = optfuse.Optimizer("adamw_schedule_free(lr=0.1)", "cpu")
+    p = np.linspace(-1, 1, 9, dtype=np.float32)
+    g = np.ones(9, dtype=np.float32)
+    z, v = optfuse.init_states(opt, p)
+    assert np.array_equal(z, p) and z is not p and not v.any()
+    assert [s for s, _ in opt.state_storage] == [True, False]
+    opt.set_tensors([(p, g, [z, v], 0)])
+    opt.step()
+    assert np.array_equal(p, z) and not np.array_equal(z, np.linspace(-1, 1, 9, dtype=np.float32))
+
+
 def test_grad_scale_and_found_inf_on_the_host():
     spec = "chain(unscale_by_grad_scale(), sgd(lr=0.1))"
     base = make_set(spec, [(10,)])

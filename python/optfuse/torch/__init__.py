@@ -9,8 +9,9 @@ from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
 from ._muon import Muon, MuonWithAuxAdam  # noqa: F401
+from ._schedule_free import AdamWScheduleFree  # noqa: F401
 from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, RAdam, RMSprop,  # noqa: F401
                           Rprop)
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion", "AdEMAMix",
-           "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]
+           "AdamWScheduleFree", "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]

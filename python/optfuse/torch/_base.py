@@ -404,7 +404,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         return buf
 
 
-_step_with_hooks = torch.optim.Optimizer.profile_hook_step(FusedOptimizer._step_impl)
+def _run_step_impl(self, *args, **kwargs):
+    return self._step_impl(*args, **kwargs)  # a subclass's own _step_impl (AdamWScheduleFree's)
+
+
+_step_with_hooks = torch.optim.Optimizer.profile_hook_step(_run_step_impl)
 
 
 class _Precision(tuple):

@@ -1,5 +1,7 @@
 """optfuse.torch.Fused: any chain (built-in or rules written in Python) as a torch optimizer, and
 optfuse.torch.fuse: a running torch.optim optimizer turned into its fused equivalent."""
+import sys
+
 import torch
 
 from .. import _core
@@ -72,9 +74,20 @@ _FUSABLE = {
 }
 
 
+def _third_party_drop_ins():
+    """Drop-ins for classes of other packages. Only packages already imported are looked at (an
+    optimizer of theirs means they are), so fuse() imports none of them."""
+    out = {}
+    schedulefree = sys.modules.get("schedulefree")
+    if schedulefree is not None and hasattr(schedulefree, "AdamWScheduleFree"):
+        from ._schedule_free import AdamWScheduleFree
+        out[schedulefree.AdamWScheduleFree] = AdamWScheduleFree
+    return out
+
+
 def fuse(opt):
     """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
-    Rprop or ASGD, mid-training:
+    Rprop or ASGD, or of a schedulefree.AdamWScheduleFree, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only).
 
@@ -94,7 +107,7 @@ def fuse(opt):
             if p.grad is not None and p.grad.is_sparse:
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a sparse gradient {tuple(p.shape)}, "
                                    "which optfuse does not support")
-    cls = _FUSABLE.get(type(opt))
+    cls = _FUSABLE.get(type(opt)) or _third_party_drop_ins().get(type(opt))
     if cls is None:  # no hand-written drop-in: trace its step (refused with the reason if it cannot be)
         from ._traced import fuse_by_tracing
         return fuse_by_tracing(opt)
