@@ -285,3 +285,55 @@ def test_exchange_sees_the_partials_and_its_writes_are_combined():
     o.set_tensors([(torch.zeros(40000), torch.zeros(40000), [torch.zeros(40000), torch.zeros(40000)])])
     with pytest.raises(optfuse.OptfuseError, match="covers the whole tensor"):
         o._set_exchange(3, [0], [2], lambda *a: None)
+
+
+def cuda_worker(rank, world, init_file, out_dir):
+    """ZeRO over NCCL on CUDA parameters (one GPU per rank): optimizers with reductions, whose partial
+    sums cross ranks as device tensors, against the unsharded optimizer on the same gradients."""
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    for label, make in [("Lamb", lambda ps: oft.Lamb(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)),
+                        ("clip + adamw", lambda ps: oft.Fused("chain(clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", ps)),
+                        ("AdamW", lambda ps: oft.AdamW(ps, lr=1e-2))]:
+        model = make_model().cuda()
+        ref_model = copy.deepcopy(model)
+        zero, ref = ZeRO(make(model.parameters())), make(ref_model.parameters())
+        for s in range(STEPS):
+            g = torch.Generator(device="cuda").manual_seed(s)  # the same "averaged" gradients on every rank
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                p.grad = torch.randn(p.shape, generator=g, device="cuda")
+                q.grad = p.grad.clone()
+            zero.step()
+            ref.step()
+        out[label] = dict(
+            params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
+            moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().cuda().parameters())))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero_on_cuda_over_nccl_is_bitwise_the_unsharded_optimizer(world, tmp_path):
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs CUDA and NCCL (CPU ranks over gloo are tested above)")
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(cuda_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{world} ranks did not finish within 300 s")
+    for r in range(world):
+        res = json.load(open(tmp_path / f"rank{r}.json"))
+        for label, v in res.items():
+            assert v == dict(params_equal=True, moved=True), (world, r, label, v)
