@@ -57,12 +57,11 @@
   }                                                                                                \
   OF_FN unsigned short of_float_to_bf16_sr(float f, unsigned r) {                                  \
     unsigned u = of_f2u(f);                                                                        \
-    /* add 16 random bits below the kept ones (inf has none, so it stays inf; a carry rounds the */ \
-    /* magnitude up, past the largest finite to inf); NaN: quiet, as nearest rounding makes it. */   \
-    /* The NaN test is a float compare: on a GPU this store is integer-bound, and the float pipe */ \
-    /* is idle */                                                                                   \
-    unsigned short rounded = (unsigned short)((u + (r & 0xffffu)) >> 16);                           \
-    return f != f ? (unsigned short)((u >> 16) | 0x40u) : rounded;                                 \
+    /* NaN: quiet, as nearest rounding makes it; otherwise add 16 random bits below the kept */   \
+    /* ones (inf has none, so it stays inf; a carry rounds the magnitude up, past the largest */   \
+    /* finite to inf) */                                                                           \
+    u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + (r & 0xffffu);                      \
+    return (unsigned short)(u >> 16);                                                              \
   }                                                                                                \
   OF_FN unsigned short of_float_to_f16_sr(float f, unsigned r) {                                   \
     unsigned short n = of_float_to_f16(f);                                                         \
