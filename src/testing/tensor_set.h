@@ -42,7 +42,8 @@ class HostTensorSet {
 };
 
 // Largest |a - b| / max(scale, 1e-30) over every role of every tensor, where scale is the largest
-// |b| of that role's tensor (errors relative to the parameter scale). NaN where exactly one is NaN.
+// |b| of that role's tensor (errors relative to the parameter scale), or the role's 16-bit dtype's
+// smallest normal if larger (below it the spacing is constant). NaN where exactly one is NaN.
 double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b);
 
 }  // namespace optfuse::testing
