@@ -3,9 +3,9 @@
 #   build; C++ CUDA tests; the Python suite (CUDA available, failures summarised); the training-loop
 #   benchmark against torch (host time, never-waits check, GPU time, CUDA graph; --compile optional);
 #   optimizers: bench/optimizers_vs_torch.py (OPT_ARGS); mixed: bench/mixed_precision_vs_torch.py;
-#   muon: bench/muon_vs_torch.py (MUON_ARGS).
+#   muon: bench/muon_vs_torch.py (MUON_ARGS); traced: bench/traced_vs_original.py.
 # Usage: dev/h200_training_loop.sh [part ...]
-#   parts: build cxx python bench optimizers mixed muon compile (default: build cxx python bench)
+#   parts: build cxx python bench optimizers mixed muon traced compile (default: build cxx python bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out}
@@ -18,6 +18,8 @@ if has build; then
   step build
   dev/device_build.sh >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
   python3 -m pip install -q --no-build-isolation --no-deps . >"$out/pip.log" 2>&1 || tail -30 "$out/pip.log"
+  # third-party optimizers for the tracing tests and benchmark (no network there: wheels in .devdeps)
+  ls .devdeps/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .devdeps/*.whl >>"$out/pip.log" 2>&1
 fi
 if has cxx; then
   step test_cuda
@@ -44,6 +46,10 @@ fi
 if has muon; then
   step "muon vs torch"
   timeout ${MUON_TIMEOUT:-200} python3 bench/muon_vs_torch.py --json "$out/muon_vs_torch.json" ${MUON_ARGS:-} 2>&1 | tee -a "$out/summary.log"
+fi
+if has traced; then
+  step "traced optimizers vs their originals"
+  timeout ${TRACED_TIMEOUT:-200} python3 bench/traced_vs_original.py --json "$out/traced_vs_original.json" 2>&1 | tee -a "$out/summary.log"
 fi
 if has compile; then
   step "training loop, torch.compile"
