@@ -297,3 +297,34 @@ def test_dcp_checkpoint_reshards_and_training_continues_bitwise(saved_by, loaded
                 assert res[label] == dict(params_equal=True, state_equal=True), (phase, rank, label, res[label])
                 if phase == "load":
                     assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
+
+
+def mismatch_worker(rank, world, init_file, out_dir, ckpt):
+    import torch.distributed.checkpoint as dcp
+    import optfuse
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+    init(rank, world, init_file)
+    model = make_model()
+    zero = ZeRO(oft.AdamW(model.parameters(), lr=1e-2), stage=2)
+    backward_local(model, rank, 0)
+    zero.step()
+    dcp.save(zero.sharded_state_dict(), checkpoint_id=ckpt)
+    other = torch.nn.Sequential(torch.nn.Linear(20, 999), torch.nn.Tanh(), torch.nn.Linear(999, 40))
+    zero2 = ZeRO(oft.AdamW(other.parameters(), lr=1e-2), stage=2)
+    sd = zero2.sharded_state_dict(like=dcp.FileSystemReader(ckpt).read_metadata())
+    try:
+        dcp.load(sd, checkpoint_id=ckpt)
+        zero2.load_sharded_state_dict(sd)
+        msg = None
+    except (optfuse.OptfuseError, RuntimeError, ValueError) as e:
+        msg = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": msg}, f)
+    dist.destroy_process_group()
+
+
+def test_dcp_checkpoint_of_another_model_is_refused(tmp_path):
+    (res,) = run_ranks(mismatch_worker, 1, tmp_path, str(tmp_path / "ckpt"))
+    assert res["error"] is not None and "elements" in res["error"], res  # ZeRO's check, before any state is installed
+    assert res["error"].startswith("OptfuseError"), res
