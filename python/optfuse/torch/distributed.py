@@ -1,7 +1,12 @@
-"""Sharded optimizer state over torch.distributed: ZeRO stage 1.
+"""Sharded optimizer state over torch.distributed: ZeRO stages 1 and 2, sharded DCP checkpoints.
 
-    model = DistributedDataParallel(model)              # every rank holds the averaged gradients
+    # stage 1: DDP averages the gradients, every rank holds them all
+    model = DistributedDataParallel(model)
     opt = optfuse.torch.distributed.ZeRO(optfuse.torch.AdamW(model.parameters(), lr=3e-4))
+    ...  loss.backward(); opt.step(); opt.zero_grad()
+
+    # stage 2: no DDP; ZeRO reduce-scatters the local gradients, each rank keeps its shard's average
+    opt = optfuse.torch.distributed.ZeRO(optfuse.torch.AdamW(model.parameters(), lr=3e-4), stage=2)
     ...  loss.backward(); opt.step(); opt.zero_grad()
 
 The parameters, in param_groups order, form one flat index space. Rank r owns one contiguous range
@@ -14,16 +19,41 @@ launch per pass, states only for the pieces: 1/N of the state memory), then the 
 the updated parameters (per dtype, one collective each). The traffic is one all-gather of the
 parameters per step, as in DeepSpeed's stage 1; the gradients come from DDP's all-reduce.
 
+Stage 2 takes no DDP: each rank backpropagates its own batch, and step() (or reduce_gradients(),
+earlier) reduce-scatters the local gradients: per dtype, one collective over a [world, n] buffer
+whose row r is rank r's pieces in flat order (padded to the longest row), `reduce_scatter_tensor`
+where the backend has it (NCCL; gloo in recent torch) and otherwise an all_reduce of the buffer
+keeping this rank's row. The owner's row is divided by the world size in the gradients' dtype (the
+sum, then the division: DDP's mean, though DDP itself scales by 1/N before its all-reduce, in its
+own bucket layout, so the roundings can differ from DDP's at 3+ ranks). The averaged shard lives in
+a persistent flat buffer per dtype (`grad_shards()`, 1/N of the gradients) whose views are the
+pieces' gradients; after the step, every parameter's full `.grad` is set to None (the local
+gradients are spent; a gradient accumulated over several backward passes is reduced once, at the
+step). Parameters without a gradient on any rank are not stepped (as unsharded); a rank without a
+gradient for a parameter others have contributes zeros (one small all_reduce of the flags per
+step). Under a GradScaler, found_inf is max-reduced across ranks inside step() so every rank skips
+together; since each rank's scaler checked only its local gradients, call `zero.reduce_gradients()`
+between backward and `scaler.step(zero)` when local infs may occur on some ranks only: it writes a
+NaN into this rank's local gradients when any rank's averaged shard is non-finite, so every
+scaler backs off alike. Per-rank traffic: (N-1)/N of the gradient bytes (reduce-scatter) plus
+(N-1)/N of the parameter bytes (all-gather).
+
 Reductions (clip_by_global_norm, skip_if_nonfinite, Lamb's and Lars's per-tensor norms) cross ranks
 at the step schedule's Exchange step (optfuse/schedule.h): after a reduce pass every rank
 all-gathers the per-chunk partial sums into the global chunk order, and each rank combines all of
 them as the unsharded optimizer would. Because cuts fall on chunk boundaries, the chunks are the
 unsharded optimizer's, so every rank's parameters and states are bitwise those of the unsharded
-optimizer on the same averaged gradients, for every reduction scope. Stage 2 (gradient
-reduce-scatter), FSDP2 and DCP checkpoints are not built.
+optimizer on the same averaged gradients, for every reduction scope, in both stages.
+
+Checkpoints: state_dict() / load_state_dict() are the consolidated (unsharded) torch-format dict on
+every rank (all_gather_object of CPU copies; loads into a ZeRO of any world size).
+sharded_state_dict() / load_sharded_state_dict() go through torch.distributed.checkpoint without
+gathering: each per-element state of parameter i is a ShardedTensor of the parameter's flattened
+size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP reshards on load:
+saved by N ranks, loaded by M. FSDP2 is not built.
 """
 import bisect
-from collections import defaultdict
+import io
 
 import torch
 import torch.distributed as dist
@@ -31,6 +61,20 @@ import torch.distributed as dist
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError
 from ._fused import fuse
+
+def _to_bytes(obj):
+    """A Python object as a uint8 tensor (DCP saves one copy of a tensor every rank holds alike, and
+    its metadata gives the size to load into, where a Python object would be split into its leaves)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(t):
+    # weights_only=False: the param groups hold Python values (tuples, dtypes, tensors) from the
+    # checkpoint being loaded, which DCP itself unpickles the same way.
+    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
+
 
 def shard_ranges(sizes, world, chunk):
     """[start, end) of the flat index space (tensors of `sizes` end to end) owned by each rank: about
@@ -58,15 +102,17 @@ class _Piece:
 
 
 class ZeRO(torch.optim.Optimizer):
-    """ZeRO stage 1 around an optfuse.torch optimizer (a torch.optim one is fused with fuse()):
-    the torch.optim.Optimizer API (param_groups are the wrapped optimizer's, so schedulers work),
-    GradScaler, state dicts consolidated in the wrapped optimizer's format on every rank."""
+    """ZeRO stage 1 (gradients from DDP) or stage 2 (ZeRO reduce-scatters the local gradients) around
+    an optfuse.torch optimizer (a torch.optim one is fused with fuse()): the torch.optim.Optimizer
+    API (param_groups are the wrapped optimizer's, so schedulers work), GradScaler, state dicts
+    consolidated in the wrapped optimizer's format on every rank, sharded DCP checkpoints."""
 
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer, process_group=None, stage=1):
-        if stage != 1:
-            raise OptfuseError(f"ZeRO: stage={stage} is not built yet (only stage=1: gradients all-reduced by DDP)")
+        if stage not in (1, 2):
+            raise OptfuseError(f"ZeRO: stage={stage!r} is not built (stage=1: gradients all-reduced by DDP; stage=2: "
+                               "ZeRO reduce-scatters the local gradients itself)")
         from ._muon import Muon, MuonWithAuxAdam
         if isinstance(optimizer, (Muon, MuonWithAuxAdam)):
             # Shards are flat element ranges that cut matrices; Newton-Schulz needs each matrix whole.
@@ -78,6 +124,7 @@ class ZeRO(torch.optim.Optimizer):
             optimizer = fuse(optimizer)
         self.optimizer = optimizer
         self.process_group = process_group
+        self.stage = stage
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
@@ -109,6 +156,28 @@ class ZeRO(torch.optim.Optimizer):
             start = end
         self._mine = self._pieces[self.rank]
         self._piece_of_view = {id(pc.view): pc for pc in self._mine}
+        # Per dtype: every rank's pieces of that dtype in flat order, and the length of the longest
+        # rank's part (the row length of the padded [world, n] buffers the collectives move).
+        self._layout = {}
+        for r, pieces in enumerate(self._pieces):
+            for pc in pieces:
+                self._layout.setdefault(pc.param.dtype, [[] for _ in range(self.world)])[r].append(pc)
+        self._rows = {dtype: max(sum(pc.end - pc.begin for pc in pieces) for pieces in per_rank)
+                      for dtype, per_rank in self._layout.items()}
+        self._device = params[0].device if params else torch.device("cpu")
+        if self.stage == 2:
+            # This rank's averaged gradients (1/N of them): one flat buffer per dtype, and a view of it
+            # per piece, which is the piece's .grad (the same tensors every step).
+            self._grad_shards, self._grad_views = {}, {}
+            for dtype, per_rank in self._layout.items():
+                buf = torch.zeros(self._rows[dtype], dtype=dtype, device=self._device)
+                self._grad_shards[dtype] = buf
+                at = 0
+                for pc in per_rank[self.rank]:
+                    self._grad_views[id(pc.view)] = buf[at:at + pc.end - pc.begin]
+                    at += pc.end - pc.begin
+            self._reduce_scatter = None  # whether the backend has reduce_scatter_tensor: found out on first use
+            self._reduced = False
         mine = {id(pc.param): pc for pc in self._mine}
         inner_groups = []
         for g in self.param_groups:
@@ -196,36 +265,144 @@ class ZeRO(torch.optim.Optimizer):
             for k, v in outer.items():
                 if k != "params":
                     inner[k] = v
-        for pc in self._mine:
-            g = pc.param.grad
-            if g is not None and not g.is_contiguous():
-                raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)})")
-            pc.view.grad = None if g is None else g.view(-1)[pc.begin:pc.end]
         if grad_scale is None:
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
+        if self.stage == 2:
+            if not self._reduced:
+                self._reduce_gradients()
+            self._reduced = False
+            if found_inf is not None and self.world > 1:
+                # GradScaler checked this rank's local gradients only: skip on every rank if any saw
+                # an inf or NaN (a step that some ranks skip would hang the all-gather).
+                found_inf = found_inf.clone()
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+        else:
+            for pc in self._mine:
+                g = pc.param.grad
+                if g is not None and not g.is_contiguous():
+                    raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)})")
+                pc.view.grad = None if g is None else g.view(-1)[pc.begin:pc.end]
         self._inner.step(grad_scale=grad_scale, found_inf=found_inf)
         self._all_gather_params()
+        if self.stage == 2:
+            # The full local gradients are spent: free them (this rank's averaged shard stays in
+            # grad_shards() until the next step).
+            for p in self._params():
+                p.grad = None
         return loss
+
+    def reduce_gradients(self):
+        """Stage 2: reduce-scatters the local gradients now (step() does it when this was not called
+        since the last step), and makes every rank's local gradients agree on finiteness: if any
+        rank's averaged shard holds an inf or NaN, a NaN is written into this rank's local
+        gradients. Call it between backward and ``scaler.step(zero)`` when a GradScaler's local
+        inf check could differ between ranks (its scale would then differ too)."""
+        if self.stage != 2:
+            raise OptfuseError("ZeRO.reduce_gradients: only stage=2 reduces gradients (stage=1 takes DDP's)")
+        with torch.no_grad():
+            self._reduce_gradients()
+            bad = torch.zeros(1, dtype=torch.float32, device=self._device)
+            for buf in self._grad_shards.values():
+                if buf.numel():
+                    bad = torch.maximum(bad, (~torch.isfinite(buf)).any().to(torch.float32).reshape(1))
+            if self.world > 1:
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.process_group)
+            if bad.item():
+                g = next((p.grad for p in self._params() if p.grad is not None and p.grad.numel()), None)
+                if g is not None:
+                    g.view(-1)[0] = float("nan")
+        self._reduced = True
+
+    def grad_shards(self):
+        """Stage 2: {dtype: this rank's averaged gradients} (flat, in the order of its shard; valid
+        from reduce_gradients() or step() until the next reduction)."""
+        return dict(self._grad_shards)
+
+    def _reduce_gradients(self):
+        """Stage 2: every rank's local gradients into the owners' shards, averaged: summed over ranks,
+        then divided by the world size in the gradients' dtype. One collective per dtype
+        over a [world, n] buffer whose row r is rank r's pieces in flat order (padded with zeros)."""
+        params = self._params()
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            if g.is_sparse or not g.is_contiguous() or g.shape != p.shape or g.dtype != p.dtype:
+                raise OptfuseError(f"ZeRO stage 2: gradients must be dense, contiguous and of their parameter's shape "
+                                   f"and dtype (parameter {tuple(p.shape)} {p.dtype}, gradient {tuple(g.shape)} "
+                                   f"{g.dtype}{', sparse' if g.is_sparse else ''})")
+        # Which parameters have a gradient on any rank (a rank without one adds zeros; a parameter
+        # without a gradient anywhere is not stepped, as unsharded): one small all_reduce.
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self._device)
+        if self.world > 1:
+            dist.all_reduce(has, group=self.process_group)
+        present = [bool(h) for h in has.tolist()]
+        index = self._param_index
+        for dtype, per_rank in self._layout.items():
+            n = self._rows[dtype]
+            shard = self._grad_shards[dtype]
+            if n == 0:
+                continue
+            if self.world == 1:
+                send = shard.view(1, n)
+            else:
+                send = torch.empty(self.world, n, dtype=dtype, device=self._device)
+            for r, pieces in enumerate(per_rank):
+                at = 0
+                for pc in pieces:
+                    k = pc.end - pc.begin
+                    if k:
+                        g = pc.param.grad
+                        if g is None:
+                            send[r, at:at + k].zero_()
+                        else:
+                            send[r, at:at + k].copy_(g.view(-1)[pc.begin:pc.end])
+                    at += k
+                send[r, at:].zero_()
+            if self.world > 1:
+                self._reduce_scatter_into(shard, send)
+            shard.div_(self.world)
+        for pc in self._mine:
+            v = self._grad_views[id(pc.view)]
+            if present[index[id(pc.param)]]:
+                if pc.view.grad is not v:
+                    pc.view.grad = v
+            else:
+                pc.view.grad = None
+
+    def _reduce_scatter_into(self, out, send):
+        """out = this rank's row of the sum of every rank's `send` ([world, n])."""
+        group = self.process_group
+        if self._reduce_scatter is None:
+            # NCCL has reduce_scatter_tensor; gloo has it only in recent torch releases (2.15 has it).
+            # Where the backend lacks it, all_reduce the whole buffer and keep this rank's row: the
+            # same sums (gloo computes its reduce_scatter as the matching slice of an all_reduce of
+            # the same buffer), at twice the traffic. Every rank takes the same branch (one backend).
+            try:
+                dist.reduce_scatter_tensor(out, send.view(-1), group=group)
+                self._reduce_scatter = True
+                return
+            except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+                self._reduce_scatter = False
+        if self._reduce_scatter:
+            dist.reduce_scatter_tensor(out, send.view(-1), group=group)
+        else:
+            dist.all_reduce(send, group=group)
+            out.copy_(send[self.rank])
 
     def _all_gather_params(self):
         """Every rank's pieces to every rank: one all_gather per dtype of equal-length (padded) buffers."""
-        by_dtype = defaultdict(lambda: [[] for _ in range(self.world)])
-        for r, pieces in enumerate(self._pieces):
-            for pc in pieces:
-                by_dtype[pc.param.dtype][r].append(pc)
-        for dtype, per_rank in by_dtype.items():
-            sizes = [sum(pc.end - pc.begin for pc in pieces) for pieces in per_rank]
-            n = max(sizes)
-            if n == 0:
+        for dtype, per_rank in self._layout.items():
+            n = self._rows[dtype]
+            if n == 0 or self.world == 1:
                 continue
-            device = per_rank[self.rank][0].view.device if per_rank[self.rank] else next(
-                pc.view.device for pieces in per_rank for pc in pieces)
-            send = torch.zeros(n, dtype=dtype, device=device)
-            if sizes[self.rank]:
-                torch.cat([pc.view for pc in per_rank[self.rank]], out=send[:sizes[self.rank]])
-            recv = [torch.empty(n, dtype=dtype, device=device) for _ in range(self.world)]
+            size = sum(pc.end - pc.begin for pc in per_rank[self.rank])
+            send = torch.zeros(n, dtype=dtype, device=self._device)
+            if size:
+                torch.cat([pc.view for pc in per_rank[self.rank]], out=send[:size])
+            recv = [torch.empty(n, dtype=dtype, device=self._device) for _ in range(self.world)]
             dist.all_gather(recv, send, group=self.process_group)
             for r, pieces in enumerate(per_rank):
                 if r == self.rank:
@@ -281,6 +458,122 @@ class ZeRO(torch.optim.Optimizer):
         self.optimizer.param_groups = self.param_groups  # one set of group dicts again (schedulers hold them)
         self._inner.state.clear()
         self._take_state_from(self.optimizer)
+
+    # --- sharded checkpoints (torch.distributed.checkpoint)
+    def sharded_state_dict(self, like=None):
+        """This rank's optimizer state for ``torch.distributed.checkpoint`` (DCP), without gathering:
+        a flat dict with
+
+        * ``"state.<i>.<key>"`` for parameter i (param_groups order) and a per-element state
+          (exp_avg, a master copy...): a ``ShardedTensor`` of the parameter's flattened size
+          (``[numel]``, the state's dtype) whose shards are every rank's pieces (1-D, at the pieces'
+          flat offsets); this rank's shard is its piece's state itself (no copy);
+        * ``"state.<i>.<key>"`` for per-parameter values (step counts, ASGD's eta and mu): the value,
+          the same on every rank (DCP writes one copy);
+        * ``"param_groups"``: the groups' options without "params" (lr, betas, timm's group step...).
+
+        ``dcp.save(zero.sharded_state_dict(), checkpoint_id=path)`` on N ranks. To load on M ranks
+        (any M), pass the checkpoint's metadata as ``like``: the dict then has every entry of the
+        checkpoint, with this ZeRO's own pieces as the shards to read into (DCP reads each piece
+        from whichever saved shards overlap it)::
+
+            sd = zero.sharded_state_dict(like=dcp.FileSystemReader(path).read_metadata())
+            dcp.load(sd, checkpoint_id=path)
+            zero.load_sharded_state_dict(sd)
+        """
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+        params = self._params()
+        device = self._device
+
+        def sharded(i, local, dtype):
+            p = params[i]
+            placement = lambda r: f"rank:{r}/{device}"
+            metas = [ShardMetadata(shard_offsets=[pieces[i].begin], shard_sizes=[pieces[i].end - pieces[i].begin],
+                                   placement=placement(r))
+                     for r, pieces in enumerate(self._pieces) if pieces[i].end > pieces[i].begin]
+            pc = self._mine[i]
+            shards = [Shard(local, metas[[m.placement.rank() for m in metas].index(self.rank)])] \
+                if pc.end > pc.begin else []
+            meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([p.numel()]),
+                                         tensor_properties=TensorProperties(dtype=dtype))
+            return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta,
+                                                                            process_group=self.process_group)
+
+        out = {}
+        if like is None:
+            self._inner._sync_steps(write_state=True)  # step counts into the pieces' state
+            self._inner.state_dict()  # group-level state (timm's group step) into the inner groups
+            for i, pc in enumerate(self._mine):
+                st = self._inner.state.get(pc.view)
+                for k, v in (st or {}).items():
+                    if pc.param.numel() == 0:
+                        continue
+                    if self._per_element(pc, v):
+                        out[f"state.{i}.{k}"] = sharded(i, v.view(-1), v.dtype)
+                    else:
+                        out[f"state.{i}.{k}"] = v
+            out["param_groups"] = _to_bytes([{k: v for k, v in g.items() if k != "params"}
+                                             for g in self._inner.param_groups])
+            out["param_numels"] = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+            return out
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        for key, md in like.state_dict_metadata.items():
+            if not isinstance(md, TensorStorageMetadata):
+                out[key] = None  # a Python value: DCP puts the saved object here
+            elif key.startswith("state.") and int(key.split(".")[1]) >= len(params):
+                raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter "
+                                   f"{key.split('.')[1]}, this optimizer has {len(params)} parameters")
+            elif key.startswith("state.") and list(md.size) == [params[int(key.split(".")[1])].numel()]:
+                i = int(key.split(".")[1])
+                pc = self._mine[i]
+                out[key] = sharded(i, torch.empty(pc.end - pc.begin, dtype=md.properties.dtype, device=device),
+                                   md.properties.dtype)
+            else:  # per-parameter values, the pickled param_groups
+                out[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        return out
+
+    @staticmethod
+    def _per_element(pc, v):
+        """A state tensor of the piece's elements (sliced by the shards), not a per-parameter value."""
+        return torch.is_tensor(v) and v.dim() == 1 and v.numel() == pc.end - pc.begin
+
+    def load_sharded_state_dict(self, state_dict):
+        """Installs a dict that ``dcp.load`` filled (see sharded_state_dict(like=...)); saved by any
+        world size, in this ZeRO's shards."""
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+        numels = [p.numel() for p in self._params()]
+        if state_dict["param_numels"].tolist() != numels:
+            raise OptfuseError(f"ZeRO.load_sharded_state_dict: the checkpoint's parameters have "
+                               f"{state_dict['param_numels'].tolist()} elements, this optimizer's {numels}")
+        groups = _from_bytes(state_dict["param_groups"])
+        if len(groups) != len(self.param_groups):
+            raise OptfuseError(f"ZeRO.load_sharded_state_dict: {len(groups)} param groups saved, this optimizer has "
+                               f"{len(self.param_groups)}")
+        for outer, inner, saved in zip(self.param_groups, self._inner.param_groups, groups):
+            for g in (outer, inner):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        inner = self._inner
+        inner.state.clear()
+        for key, v in state_dict.items():
+            if not key.startswith("state."):
+                continue
+            _, i, k = key.split(".", 2)
+            pc = self._mine[int(i)]
+            st = inner.state[pc.view]
+            if isinstance(v, ShardedTensor):
+                local = v.local_shards()
+                st[k] = local[0].tensor.view(-1) if local else torch.empty(
+                    0, dtype=v.metadata().tensor_properties.dtype, device=self._device)
+            else:
+                st[k] = v.clone() if torch.is_tensor(v) else v
+        # As FusedOptimizer.load_state_dict: the engines' tables and step counts are re-read from the state.
+        for e in inner._engines.values():
+            e.params, e.groups, e.group_of, e.indices = [], [], [], []
+        inner._steps = {}
+        inner._of_dirty = True
 
     # --- helpers
     def _params(self):
