@@ -114,6 +114,7 @@ class ZeRO(torch.optim.Optimizer):
         cls = type(self.optimizer)
         self._inner = cls.__new__(cls)
         FusedOptimizer.__init__(self._inner, inner_groups, dict(self.optimizer.defaults))
+        self._inner._graph_step = False  # its parameters are views re-pointed each step: the eager step
         # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
         self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
 
