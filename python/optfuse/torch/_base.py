@@ -133,7 +133,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             get = (lambda g, k=keys[0]: (g[k],)) if keys else (lambda g: ())
         # A precision option changing (a group key, present only where given) rebuilds too.
-        self._sig_get = lambda g: (*get(g), *(g.get(k) for k in _PRECISION))
+        self._sig_get = lambda g: (*get(g), g.get("master_weights"), g.get("state_dtype"),
+                                   g.get("stochastic_rounding"), g.get("kahan"))
 
     def __setstate__(self, state):
         # torch pickles only defaults, state and param_groups; after unpickling the tables are rebuilt
