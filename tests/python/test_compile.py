@@ -209,3 +209,30 @@ def test_fallbacks_stay_correct(case, dynamo):
         step()
         ref_step()
     _assert_bitwise(opt, ref)
+
+
+def test_structure_change_inside_compiled_step_raises_clearly(dynamo):
+    """A CPU tensor weight_decay going from 0 (rule left out of the chain) to non-zero: the compiled
+    step cannot rebuild, so it raises (changing nothing) instead of stepping without weight decay; one
+    eager step rebuilds, and compiled steps then match the eager twin again."""
+    require_compile(torch.device("cpu"), None)
+    params = list(make_model(torch.device("cpu")).parameters())
+    twins = [p.detach().clone().requires_grad_() for p in params]
+    wd, ref_wd = torch.tensor(0.0), torch.tensor(0.0)
+    opt, ref = oft.AdamW(params, lr=1e-2, weight_decay=wd), oft.AdamW(twins, lr=1e-2, weight_decay=ref_wd)
+    step = torch.compile(lambda: opt.step())
+    for s in range(3):
+        _new_grads(params, twins, s)
+        step()
+        ref.step()
+    wd.fill_(0.1)
+    ref_wd.fill_(0.1)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(optfuse.OptfuseError, match="eager step"):
+        step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params)), "a step that raised changed parameters"
+    for s in range(3, 6):
+        _new_grads(params, twins, s)
+        (opt.step if s == 3 else step)()
+        ref.step()
+    _assert_bitwise(opt, ref)

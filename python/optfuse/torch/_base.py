@@ -340,6 +340,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 h[name] = next(it_t) if kinds[k] else next(it_v)
                 k += 1
             per_group.append(h)
+        if layout.host_frozen:
+            self._check_frozen_structure(layout)
         capturing = self._on_cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._check_capture(per_group)
@@ -353,6 +355,20 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sigs = [_STALE] * len(self._sigs)
         for e in self._engines.values():
             e.step(grad_scale, found_inf, capturing)
+
+    def _check_frozen_structure(self, layout):
+        """A CPU tensor hyperparameter whose value decides the chain (weight_decay 0 or not...)
+        changed it: the traced step cannot rebuild the tables, so it says so rather than step wrong."""
+        for i, g in enumerate(self.param_groups):
+            frozen = layout.frozen[i]
+            if not frozen or all(not torch.is_tensor(g.get(k)) or g[k].is_cuda or float(g[k]) == v
+                                 for k, v in frozen.items()):
+                continue
+            if self._structure(g) != layout.keys[i] or not self._features(g) <= layout.features[i]:
+                raise OptfuseError(f"{type(self).__name__}: a tensor hyperparameter of group {i} changed in a way that "
+                                   "changes the compiled chain (e.g. weight_decay from 0 to non-zero) inside a "
+                                   "torch.compile'd step, which cannot rebuild the tables; run one eager step() after "
+                                   "such a change, or give the hyperparameter a non-zero value from the start")
 
     def _restore_home(self):
         """Points the tables back at the optimizer's own parameters and states (a compiled step may
@@ -380,7 +396,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             hyper_names=[tuple(self._hypers(g)) for g in groups],
             frozen=[{k: float(v) for k, v in g.items() if torch.is_tensor(v) and v.numel() == 1} for g in groups],
             keys=list(self._keys), features=[self._engine_features(i) for i in range(len(groups))],
-            precisions=[_precision_key(g) for g in groups], cuda=self._on_cuda)
+            precisions=[_precision_key(g) for g in groups], cuda=self._on_cuda,
+            host_frozen=any(torch.is_tensor(v) and not v.is_cuda for g in groups for v in g.values()))
 
     # --- internals
     def _fresh(self):
