@@ -136,6 +136,13 @@ class Optimizer {
   // the cheap path for frameworks that reallocate gradients between steps. Only pointers change;
   // nothing is revalidated beyond the count and null pointers.
   void set_grad_pointers(const std::vector<const void*>& grads);
+  // Points every role at new buffers (same sizes, dtypes and layout as before; the caller vouches for
+  // that): params and grads one per tensor, states num_states per tensor in table order. An empty
+  // list leaves that role as it is. For callers that are handed the very tensors to update on each
+  // step (a torch custom op under functionalization may receive copies of the parameters and
+  // states). Like set_grad_pointers: no allocation on the device, no synchronisation.
+  void set_pointers(const std::vector<const void*>& params, const std::vector<const void*>& grads,
+                    const std::vector<const void*>& states);
   void step(const StepInputs& inputs = {});
   // Elements per chunk of this backend (pieces of a sharded tensor start at multiples of it).
   int32_t chunk_elements() const;

@@ -202,6 +202,45 @@ class PyOptimizer {
     return true;
   }
 
+  // The torch custom op's path: the tensors to update this step, in table order (params and grads
+  // one per tensor, states num_states per tensor; grads None: kept as they are). Each tensor's
+  // data_ptr() is read and the table is re-pointed (Optimizer::set_pointers: no allocation, no
+  // synchronisation) when any pointer differs from the table's. Returns whether one did.
+  bool patch_pointers(nb::handle params, nb::handle grads, nb::handle states) {
+    const std::vector<TensorRef>& cur = opt_->tensors();
+    const size_t n = cur.size(), ns = opt_->plan().program.states.size();
+    auto read = [&](nb::handle seq, size_t expect, const char* what, std::vector<const void*>& out) {
+      out.clear();
+      if (seq.is_none()) return;
+      nb::object fast = nb::steal(PySequence_Fast(seq.ptr(), "_patch_pointers: expected a sequence of tensors"));
+      if (!fast.is_valid()) throw nb::python_error();
+      const Py_ssize_t len = PySequence_Fast_GET_SIZE(fast.ptr());
+      if (static_cast<size_t>(len) != expect)
+        throw Error(std::string("_patch_pointers: ") + std::to_string(len) + " " + what + " given for a table of " +
+                    std::to_string(expect));
+      PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+      out.resize(expect);
+      for (Py_ssize_t i = 0; i < len; ++i) {
+        PyObject* ptr = PyObject_CallMethodNoArgs(items[i], name_data_ptr_.ptr());
+        if (!ptr) throw nb::python_error();
+        out[static_cast<size_t>(i)] = reinterpret_cast<const void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr)));
+        Py_DECREF(ptr);
+        if (PyErr_Occurred()) throw nb::python_error();
+      }
+    };
+    if (!name_data_ptr_.is_valid()) name_data_ptr_ = nb::steal(PyUnicode_InternFromString("data_ptr"));
+    read(params, n, "parameters", p_);
+    read(grads, n, "gradients", g_);
+    read(states, n * ns, "states", s_);
+    bool moved = false;
+    for (size_t t = 0; t < n && !moved; ++t) {
+      moved = (!p_.empty() && p_[t] != cur[t].param.data) || (!g_.empty() && g_[t] != cur[t].grad.data);
+      for (size_t s = 0; !moved && !s_.empty() && s < ns; ++s) moved = s_[t * ns + s] != cur[t].states[s].data;
+    }
+    if (moved) opt_->set_pointers(p_, g_, s_);
+    return moved;
+  }
+
   // The hyperparameter `name` of `group` read at every step from a one-element float32/float64
   // tensor at `ptr` (on the backend's device; 0 unbinds). The caller keeps the tensor alive.
   void bind_hyper_raw(int group, const std::string& name, uint64_t ptr, bool is_f64) {
@@ -365,6 +404,8 @@ class PyOptimizer {
   std::vector<nb::object> keep_;
   std::vector<int64_t> watch_indices_;
   std::vector<const void*> grads_;  // reused by take_grads
+  std::vector<const void*> p_, g_, s_;  // reused by patch_pointers
+  nb::object name_data_ptr_;
   int device_id_ = -1;
   float scale_value_ = 1, inf_value_ = 0;
 };
@@ -531,6 +572,7 @@ void bind_optimizer(nb::module_& m) {
       .def("source", [](PyOptimizer& o) { return o.get().source(); })
       .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })
       .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw)
+      .def("_patch_pointers", &PyOptimizer::patch_pointers, "params"_a.none(), "grads"_a.none(), "states"_a.none())
       .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
       .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)
       .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a)

@@ -59,7 +59,21 @@ class CpuExecutor : public HostExecutor {
     variants_ = variants;
     HostExecutor::set_tensors(tensors);
     variant_index_ = index;
-    table_words_ = build_tensor_table(tensors, plan_.num_states(), chunk_ranges(tensors.size(), chunks_), variant_index_);
+    ranges_ = chunk_ranges(tensors.size(), chunks_);
+    table_words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
+  }
+
+  // Same tensors (sizes, dtypes, groups), new data pointers (gradients the framework reallocated):
+  // chunks and storage variants stay; only the pointers in the tensor list and the table change.
+  void update_pointers(const std::vector<TensorRef>& tensors) override {
+    if (tensors.size() != tensors_.size() || ranges_.size() != tensors.size()) return set_tensors(tensors);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      tensors_[t].param.data = tensors[t].param.data;
+      tensors_[t].grad.data = tensors[t].grad.data;
+      for (size_t s = 0; s < tensors_[t].states.size() && s < tensors[t].states.size(); ++s)
+        tensors_[t].states[s].data = tensors[t].states[s].data;
+    }
+    table_words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
   }
 
  protected:
@@ -115,6 +129,7 @@ class CpuExecutor : public HostExecutor {
   std::unique_ptr<host::SharedLibrary> lib_;
   std::vector<PhaseFn> fns_;
   std::vector<uint64_t> table_words_;
+  std::vector<ChunkRange> ranges_;        // per tensor, its chunks (for update_pointers)
   std::vector<double> phase_partials_;
 };
 

@@ -232,6 +232,35 @@ void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
   }
 }
 
+void Optimizer::set_pointers(const std::vector<const void*>& params, const std::vector<const void*>& grads,
+                             const std::vector<const void*>& states) {
+  live();
+  const size_t n = tensors_.size(), ns = plan_->program.states.size();
+  if ((!params.empty() && params.size() != n) || (!grads.empty() && grads.size() != n) ||
+      (!states.empty() && states.size() != n * ns))
+    throw Error("set_pointers: " + std::to_string(params.size()) + " parameters, " + std::to_string(grads.size()) +
+                " gradients and " + std::to_string(states.size()) + " states given for " + std::to_string(n) +
+                " tensors of " + std::to_string(ns) + " states");
+  for (size_t t = 0; t < n; ++t) {
+    if (tensors_[t].param.numel == 0) continue;
+    bool null = (!params.empty() && params[t] == nullptr) || (!grads.empty() && grads[t] == nullptr);
+    for (size_t s = 0; !states.empty() && s < ns; ++s) null = null || states[t * ns + s] == nullptr;
+    if (null) throw Error("set_pointers: tensor " + std::to_string(t) + " has a null pointer");
+  }
+  std::vector<TensorRef> old = tensors_;
+  for (size_t t = 0; t < n; ++t) {
+    if (!params.empty()) tensors_[t].param.data = const_cast<void*>(params[t]);
+    if (!grads.empty()) tensors_[t].grad.data = const_cast<void*>(grads[t]);
+    for (size_t s = 0; !states.empty() && s < ns; ++s) tensors_[t].states[s].data = const_cast<void*>(states[t * ns + s]);
+  }
+  try {
+    exec_->update_pointers(tensors_);
+  } catch (...) {
+    tensors_ = std::move(old);
+    throw;
+  }
+}
+
 void Optimizer::step(const StepInputs& inputs) { live().exec_->step(inputs); }
 int32_t Optimizer::chunk_elements() const { return live().exec_->chunk_elements(); }
 

@@ -64,6 +64,25 @@ def main():
     t_both = median_us(lambda: (swap(), opt.step()), reps=20)
     print(f"{'step after new .grad tensors (set_to_none)':45s} {t_both - t_swap:9.1f} us")
     sync()
+    # its parts, each timed alone right after new gradients arrived (median of 200)
+    watch = opt._watch
+    parts = {"check": [], "take": [], "core": []}
+    for _ in range(200):
+        swap()
+        t0 = time.perf_counter()
+        r = watch.check()
+        t1 = time.perf_counter()
+        if r == 1:
+            eng.core._take_grads(watch)
+        t2 = time.perf_counter()
+        eng.step(None, None)
+        t3 = time.perf_counter()
+        for part, dt in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+            parts[part].append(dt * 1e6)
+    sync()
+    for part, name in (("check", ".grad check, new tensors (C++)"), ("take", "pointer patch (_take_grads)"),
+                    ("core", "core step call")):
+        print(f"{'  of which: ' + name:45s} {statistics.median(parts[part]):9.1f} us")
     for kind in ("fused", "foreach"):
         try:
             t = torch.optim.AdamW(ps, lr=1e-3, **{kind: True})

@@ -516,11 +516,13 @@ def test_torch_compile_tensor_lr_schedule_never_recompiles(device_name, mode, fr
         ref_step(x, y)
         sched.step()      # lr.fill_(cosine value)
         ref_sched.step()
-        if s == 0:
+        # The first call runs the eager step (it builds the tables: a graph break), the second
+        # retraces once with the step as the custom op (test_compile.py); then nothing recompiles.
+        if s == 1:
             graphs = fresh_dynamo["stats"]["unique_graphs"]
             assert graphs >= 1, "torch.compile compiled nothing"
             torch._dynamo.config.error_on_recompile = True  # a recompile from now on raises
-    assert fresh_dynamo["stats"]["unique_graphs"] == graphs, "recompiled after the first call"
+    assert fresh_dynamo["stats"]["unique_graphs"] == graphs, "recompiled after the second call"
     assert ours.param_groups[0]["lr"] is lr and lr.item() == ref_lr.item() < 1e-3
     assert_same_training(model, ref_model, ours, ref, device, start,
                          f64=torch_run("AdamW", dict(lr=1e-2), device, steps, sched=("CosineAnnealingLR", steps)))

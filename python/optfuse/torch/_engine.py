@@ -56,6 +56,7 @@ class Engine:
                               for from_param, fixed in self.core.state_storage]
         self.hyper_names = set(self.core.hyper_short_names) | set(self.core.hyper_names)
         self.params = []    # parameters in table order
+        self.states = []    # their state tensors in table order (len(state_names) per parameter)
         self.indices = []   # their slots in the optimizer's GradWatch
         self.groups = []    # internal group -> (torch group index, step count when the table was built)
         self.group_of = []  # per table entry: internal group
@@ -72,7 +73,7 @@ class Engine:
         stochastically, with the random stream rng: a key, or (key, offset of the tensor's first element
         in the tensor the key names; a shard's offset)."""
         keys = {}
-        self.groups, self.group_of, self.params, self.indices = [], [], [], []
+        self.groups, self.group_of, self.params, self.indices, self.states = [], [], [], [], []
         for p, _, _, tg, step, _, _, _ in entries:
             key = (tg, step)
             if key not in keys:
@@ -101,6 +102,7 @@ class Engine:
             ptrs_p.append(p.data_ptr())
             ptrs_g.append(g.data_ptr())
             ptrs_s.extend(s.data_ptr() for s in states)
+            self.states.extend(states)
             numels.append(p.numel())
             roles = [p, g] + list(states)
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)

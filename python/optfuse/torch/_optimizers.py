@@ -445,6 +445,7 @@ class ASGD(_OptionalWeightDecay):
     state_dict() writes eta and mu. docs/python.md lists where this can still differ from torch."""
 
     _sig_keys = ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize")
+    _graph_step = False  # step() keeps host-side records after each step: opaque to torch.compile
 
     def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0, foreach=None, maximize=False,
                  differentiable=False, capturable=False):

@@ -14,6 +14,8 @@ class Traced(FusedOptimizer):
     """A fused optimizer whose rule was traced from another optimizer's step. Same param_groups,
     state keys and state_dict format as the original (the step, where it keeps one, as it does)."""
 
+    _graph_step = False  # _hypers reads the traced rule's layout: the eager step under torch.compile
+
     def _structure(self, g):
         return structure(g, self._counters)
 

@@ -189,6 +189,7 @@ class ZeRO(torch.optim.Optimizer):
         # makes fresh groups, state and engines.
         self._inner.__dict__.update(self.optimizer.__dict__)
         FusedOptimizer.__init__(self._inner, inner_groups, dict(self.optimizer.defaults))
+        self._inner._graph_step = False  # its parameters are views re-pointed each step: the eager step
         # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
         self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
         self._inner._on_engine_built = self._set_exchange
