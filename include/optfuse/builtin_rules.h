@@ -22,6 +22,9 @@
 //   averaged_sgd            lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6   (ASGD: decays and steps the parameter,
 //                                                    keeps the average ax; must be the last rule of a chain;
 //                                                    hyperparameter eta_lr=-1: see builtin_rules.cpp)
+//   scale_by_nadam          lr=2e-3 b1=0.9 b2=0.999 eps=1e-8 momentum_decay=4e-3   (NAdam's two-term update
+//                                                    with lr; uniform state mu_product (per group, init 1);
+//                                                    must be the last rule of a chain)
 //   clip_by_global_norm_ratio  max_norm=1.0         (u / max(global_norm / max_norm, 1): timm's Lamb clipping)
 //   scale_by_lamb           as lamb below, less max_grad_norm (per-tensor trust ratio ||p|| / ||update||)
 //   scale_by_lars           trust_coeff=0.001 eps=1e-8 weight_decay=0 trust_clip=false always_adapt=false lr=1.0
@@ -42,6 +45,8 @@
 //   adamax   lr=2e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 maximize=false
 //   adadelta lr=1.0 rho=0.9 eps=1e-6 weight_decay=0 maximize=false
 //   rprop    lr=1e-2 etas=(0.5,1.2) step_sizes=(1e-6,50) maximize=false   (chain ends with scale(-1))
+//   nadam    lr=2e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 momentum_decay=4e-3 decoupled_weight_decay=false
+//            maximize=false
 //   asgd     lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6 weight_decay=0 maximize=false
 //   lamb     lr=1e-3 bias_correction=true betas=(0.9,0.999) eps=1e-6 weight_decay=0.01 grad_averaging=true
 //            max_grad_norm=1.0 (0: none) trust_clip=false always_adapt=false decoupled_decay=false max_lr=0

@@ -14,6 +14,9 @@
 //   Hyper      hyperparameter slot i of the element's parameter group
 //   Step       the step number being taken in the element's group: 1 on the first step
 //   Global     global scalar i, set by the caller per step (grad_scale, found_inf)
+//   UniformState  uniform state slot i of the element's parameter group before this step: one float64
+//              per group kept across steps (NAdam's mu_product); its new value is a uniform output
+//              of the program, committed where the step is not skipped (as the step count)
 //   Neg -x   Abs |x|   Sign: -1, 0 or 1 (NaN stays NaN)   Sqrt   Rsqrt 1/sqrt(x)   Exp   Log (natural)
 //   Not: 1 if x == 0 else 0        IsFinite: 1 if x is neither inf nor NaN else 0
 //   Add Sub Mul Div: IEEE arithmetic in the node's precision (no contraction into fma)
@@ -45,7 +48,7 @@
 namespace optfuse {
 
 enum class Op : uint8_t {
-  Const, Param, Grad, State, Hyper, Step, Global,
+  Const, Param, Grad, State, Hyper, Step, Global, UniformState,
   Neg, Abs, Sign, Sqrt, Rsqrt, Exp, Log, Not, IsFinite, RoundBF16, RoundF16,
   Add, Sub, Mul, Div, Pow, Min, Max, Lt, Le, Gt, Ge, Eq, Ne, And, Or,
   Select, Lerp, Fma,
@@ -70,7 +73,7 @@ struct Node {
   Op op = Op::Const;
   std::array<NodeId, 3> in{kNoNode, kNoNode, kNoNode};
   double value = 0;     // Const
-  int32_t index = -1;   // State, Hyper, Global slot; a reduction's Scope
+  int32_t index = -1;   // State, Hyper, Global, UniformState slot; a reduction's Scope
   bool operator==(const Node& o) const;
 };
 

@@ -125,6 +125,11 @@ class Optimizer {
   // Steps taken so far by a group (reads back from the device for CUDA).
   int64_t step_count(int group) const;
   void set_step_count(int group, int64_t steps);
+  // A group's uniform state (Rule::uniform_state; short or qualified name), as the last step that
+  // was not skipped left it (reads back from the device for CUDA); a new group's is its init value,
+  // and add_group keeps the other groups' values.
+  double uniform_state(int group, const std::string& name) const;
+  void set_uniform_state(int group, const std::string& name, double value);
 
   // Validates every tensor (sizes agree, dtypes are ones the roles and the plan's precision options
   // take, state count matches the plan, group exists) and builds the tensor table; throws without

@@ -6,14 +6,16 @@
 // computed in float32 inside a pass over memory). A node's *level* counts the reductions beneath it:
 // level 0 needs none; a reduction of a level-L element value has level L+1 (any scope). The plan is
 //   for L = 1..max: scalar phase (uniforms of level < L) -> reduce phase L (one pass over memory)
-//   final scalar phase (all uniforms; decide skip; commit the step count) -> update phase
+//   final scalar phase (all uniforms; decide skip; commit the step count and uniform states) -> update phase
 // so clip_by_global_norm + adamw is one read of the gradients and one read/write of everything.
 // A reduction whose users all sit at a higher level moves to that level's reduce pass when the pass
 // reads its inputs anyway (LAMB's ||param|| joins ||update||): the same answer in fewer bytes.
 //
 // Scalars live in one float64 table (on the device for CUDA), laid out as
-//   globals[kNumGlobals] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
-// where `derived` holds the uniform values element or tensor code reads (bias corrections, clip
+//   globals[kNumGlobals] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | ustate[G x S] | derived[G x D]
+// where `ustate` holds the groups' uniform states (Program::uniform_states: read by every scalar
+// phase, their new values committed by the final one where the step is not skipped, as the step
+// count) and `derived` the uniform values element or tensor code reads (bias corrections, clip
 // coefficient, ...). Sizes depend on the group count G, never on tensor shapes. Per-tensor
 // reductions live in a second table, tensor_reductions[T x RT] (T tensors), combined per tensor from
 // the per-chunk partials in chunk order. Tensor values are evaluated where they are used: at the
@@ -44,8 +46,12 @@ struct ElementPhase {
   int writes() const;
 };
 
+// The one definition of the scalar table's layout: the host executors and the interpreter read
+// offsets from it, and the CUDA driver's offset functions are printed from it (scalar_layout_source
+// in codegen/abi.h), so both sides cannot drift apart. Every area's offset is a + b * groups.
 struct ScalarLayout {
   int hypers_per_group = 0, derived_per_group = 0, reductions = 0;  // reductions: global scope
+  int uniform_states_per_group = 0;  // uniform states (Program::uniform_states), committed like steps
   int tensor_reductions = 0;  // per tensor, in the tensor_reductions table
   int tensor_values = 0;      // tensor values element code reads (u after the derived values)
   int globals_offset() const { return 0; }
@@ -53,7 +59,8 @@ struct ScalarLayout {
   int hypers_offset() const { return kNumGlobals + reductions; }
   int steps_offset(int groups) const { return hypers_offset() + groups * hypers_per_group; }
   int skip_offset(int groups) const { return steps_offset(groups) + groups; }
-  int derived_offset(int groups) const { return skip_offset(groups) + groups; }
+  int uniform_states_offset(int groups) const { return skip_offset(groups) + groups; }
+  int derived_offset(int groups) const { return uniform_states_offset(groups) + groups * uniform_states_per_group; }
   int size(int groups) const { return derived_offset(groups) + groups * derived_per_group; }
 };
 

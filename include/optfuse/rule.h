@@ -43,6 +43,15 @@ struct StateSpec {
   bool from_param = false; // every element starts as the parameter's value instead (schedule-free's z)
 };
 
+// A uniform state: one float64 value per parameter group, kept across steps (NAdam's mu_product).
+// Rules read it in uniform math (RuleBuilder::uniform_state) and give its new value
+// (set_uniform_state); the final scalar phase computes it and commits it only where the step is
+// not skipped, as the step count. Optimizer::uniform_state reads it back per group.
+struct UniformStateSpec {
+  std::string name;
+  double init = 0;  // the value of a new group
+};
+
 class RuleBuilder;
 
 class Rule {
@@ -55,6 +64,8 @@ class Rule {
   Rule& state(const std::string& name, double init = 0);
   // A state slot that starts as a copy of the parameter (ProgramState::init_from_param).
   Rule& state_from_param(const std::string& name);
+  // A uniform state (UniformStateSpec): one float64 per group, starting at `init`.
+  Rule& uniform_state(const std::string& name, double init = 0);
   Rule& update(UpdateFn fn);
   // A note shown in `explain` (e.g. the boolean options the rule was built with).
   Rule& note(const std::string& text);
@@ -62,6 +73,7 @@ class Rule {
   const std::string& name() const { return name_; }
   const std::vector<HyperSpec>& hypers() const { return hypers_; }
   const std::vector<StateSpec>& states() const { return states_; }
+  const std::vector<UniformStateSpec>& uniform_states() const { return uniform_states_; }
   const UpdateFn& update_fn() const { return fn_; }
   const std::string& notes() const { return notes_; }
   // "scale_by_adam(b1=0.9, b2=0.999, eps=1e-08)"
@@ -71,6 +83,7 @@ class Rule {
   std::string name_;
   std::vector<HyperSpec> hypers_;
   std::vector<StateSpec> states_;
+  std::vector<UniformStateSpec> uniform_states_;
   UpdateFn fn_;
   std::string notes_;
 };
@@ -110,6 +123,11 @@ struct Precision {
   DType kahan_dtype = DType::bf16;
   bool any() const { return master != MasterWeights::none || kahan; }
 };
+// A uniform state of a whole program ("scale_by_nadam.mu_product"), qualified like a state slot.
+struct ProgramUniformState {
+  std::string rule, name, qualified;
+  double init = 0;
+};
 struct ProgramHyper {
   std::string rule, name, qualified;
   double value = 0;
@@ -128,12 +146,16 @@ struct Program {
   NodeId param_out = kNoNode;           // the new parameter value
   std::vector<NodeId> state_out;        // per state slot: the new value (the old one if unchanged)
   NodeId skip = kNoNode;                // uniform: when != 0 the step changes nothing (kNoNode: never)
+  std::vector<ProgramUniformState> uniform_states;
+  std::vector<NodeId> uniform_state_out;  // per uniform state: its new value (uniform; the old one if unchanged)
   std::map<NodeId, std::string> names;  // readable names for generated code ("exp_avg_new")
   Precision precision;                  // how the parameter is stored (its states are the last ones)
 
   // Index of a hyperparameter by short or qualified name: every slot that matches (a short name
   // may match several rules, e.g. "lr"). Throws optfuse::Error naming the closest known name.
   std::vector<int> find_hypers(const std::string& name) const;
+  // Index of a uniform state by short or qualified name; throws optfuse::Error naming the known ones.
+  int find_uniform_state(const std::string& name) const;
 };
 
 // What a rule's update function builds with. Reads of undeclared state or hyperparameters throw.
@@ -144,6 +166,10 @@ class RuleBuilder {
   Expr state(const std::string& name);        // a declared state slot before this step
   void set_state(const std::string& name, Expr value);
   Expr hyper(const std::string& name);        // a declared hyperparameter (per group, uniform)
+  // A declared uniform state before this step, and its value after it (uniform: no per-element or
+  // per-tensor values). Committed only where the step is not skipped.
+  Expr uniform_state(const std::string& name);
+  void set_uniform_state(const std::string& name, Expr value);
   Expr step();                                // the step being taken, 1 on the first (uniform)
   Expr global(GlobalSlot slot);               // grad_scale, found_inf
   Expr constant(double v);
@@ -165,13 +191,13 @@ class RuleBuilder {
 
  private:
   friend Program build_program(const Chain& chain, const Precision& precision);
-  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr param, Expr incoming,
-              Expr* param_base);
+  RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, int first_uniform_state, Expr param,
+              Expr incoming, Expr* param_base);
   Program& p_;
   Expr param_;
   Expr* param_base_;
   const Rule& rule_;
-  int first_state_, first_hyper_;
+  int first_state_, first_hyper_, first_uniform_state_;
   Expr incoming_;
 };
 

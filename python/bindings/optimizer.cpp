@@ -546,6 +546,11 @@ void bind_optimizer(nb::module_& m) {
           out.emplace_back(s.init_from_param, s.fixed_dtype ? std::optional<std::string>(dtype_name(s.dtype)) : std::nullopt);
         return out;
       }, "(starts as a copy of the parameter, fixed dtype name or None) per state slot.")
+      .def_prop_ro("uniform_state_specs", [](PyOptimizer& o) {
+        std::vector<std::tuple<std::string, std::string, double>> out;
+        for (auto& u : o.get().plan().program.uniform_states) out.emplace_back(u.name, u.qualified, u.init);
+        return out;
+      }, "(name, qualified name, initial value) per uniform state (one float64 per group, kept across steps).")
       .def_prop_ro("hyper_names", [](PyOptimizer& o) {
         std::vector<std::string> out;
         for (auto& h : o.get().plan().program.hypers) out.push_back(h.qualified);
@@ -564,6 +569,11 @@ void bind_optimizer(nb::module_& m) {
       .def("hyper", [](PyOptimizer& o, int g, const std::string& n) { return o.get().hyper(g, n); }, "group"_a, "name"_a)
       .def("step_count", [](PyOptimizer& o, int g) { return o.get().step_count(g); }, "group"_a = 0)
       .def("set_step_count", [](PyOptimizer& o, int g, int64_t s) { o.get().set_step_count(g, s); }, "group"_a, "steps"_a)
+      .def("uniform_state", [](PyOptimizer& o, int g, const std::string& n) { return o.get().uniform_state(g, n); },
+           "group"_a, "name"_a, "A group's uniform state (short or qualified name), as the last step not skipped left it.")
+      .def("set_uniform_state", [](PyOptimizer& o, int g, const std::string& n, double v) {
+        o.get().set_uniform_state(g, n, v);
+      }, "group"_a, "name"_a, "value"_a)
       .def("set_tensors", &PyOptimizer::set_tensors, "tensors"_a, "stochastic_rounding"_a = false, "rng_seed"_a = 0,
            "tensors: list of (param, grad, [states], group); arrays with DLPack, contiguous, float32/float16/bfloat16 "
            "(each role its own; int16 for a master-weight remainder state). stochastic_rounding: float16/bfloat16 "

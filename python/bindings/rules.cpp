@@ -296,6 +296,13 @@ void bind_rules(nb::module_& m) {
         rb.set_state(n, lift(v, like, "set_state").e);
       }, "name"_a, "value"_a)
       .def("hyper", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().hyper(n)); }, "name"_a)
+      .def("uniform_state", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().uniform_state(n)); },
+           "name"_a, "A declared uniform state (one value per group) before this step.")
+      .def("set_uniform_state", [](const PyBuilder& b, const std::string& n, nb::handle v) {
+        RuleBuilder& rb = b.get();
+        PyExpr like = b.out(rb.step());
+        rb.set_uniform_state(n, lift(v, like, "set_uniform_state").e);
+      }, "name"_a, "value"_a, "Its value after this step (uniform), committed where the step is not skipped.")
       .def("step", [](const PyBuilder& b) { return b.out(b.get().step()); }, "The step being taken, 1 on the first.")
       .def("global_value", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().global(parse_global(n))); },
            "name"_a, "A per-step global scalar: 'grad_scale' or 'found_inf'.")
@@ -335,6 +342,9 @@ void bind_rules(nb::module_& m) {
            "name"_a, "value"_a, "range"_a = Range::any(), nb::rv_policy::reference)
       .def("state", [](Rule& r, const std::string& n, double init) -> Rule& { return r.state(n, init); }, "name"_a,
            "init"_a = 0.0, nb::rv_policy::reference)
+      .def("uniform_state", [](Rule& r, const std::string& n, double init) -> Rule& { return r.uniform_state(n, init); },
+           "name"_a, "init"_a = 0.0, nb::rv_policy::reference,
+           "Declares a uniform state: one float64 per parameter group, kept across steps.")
       .def("update", [](Rule& r, nb::object fn) -> Rule& { return r.update(python_update_fn(r.name(), std::move(fn))); },
            "fn"_a, nb::rv_policy::reference, "fn(builder) -> Expr: the outgoing update.")
       .def("note", [](Rule& r, const std::string& t) -> Rule& { return r.note(t); }, "text"_a, nb::rv_policy::reference)

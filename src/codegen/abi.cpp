@@ -4,6 +4,25 @@
 
 namespace optfuse {
 
+std::string scalar_layout_source(const ScalarLayout& L) {
+  // Each area's offset as a + b * groups, read from the layout itself (its offsets are affine in G).
+  auto area = [&](const char* name, int (ScalarLayout::*offset)(int) const) {
+    const long long a = (L.*offset)(0), b = (L.*offset)(1) - a;
+    return std::string("__device__ __forceinline__ long long of_") + name + "_offset(int groups) { return " +
+           std::to_string(a) + "LL + (long long)groups * " + std::to_string(b) + "LL; }\n";
+  };
+  std::string s = "\n// Scalar table layout (ScalarLayout in plan.h, printed from it):\n"
+                  "//   globals[" + std::to_string(kNumGlobals) + "] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | "
+                  "ustate[G x S] | derived[G x D]\n";
+  s += "__device__ __forceinline__ long long of_reductions_offset() { return " + std::to_string(L.reductions_offset()) + "LL; }\n";
+  s += "__device__ __forceinline__ long long of_hypers_offset() { return " + std::to_string(L.hypers_offset()) + "LL; }\n";
+  s += area("steps", &ScalarLayout::steps_offset);
+  s += area("skip", &ScalarLayout::skip_offset);
+  s += area("ustate", &ScalarLayout::uniform_states_offset);
+  s += area("derived", &ScalarLayout::derived_offset);
+  return s;
+}
+
 std::string abi_source() {
   return R"(
 // Shared with the runtime (codegen/abi.h): tensor-table rows are plain 64-bit words.

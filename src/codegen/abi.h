@@ -39,5 +39,8 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
 
 // Needs OF_ROLES defined before it.
 std::string abi_source();
+// The scalar table's offset functions (of_hypers_offset(), of_steps_offset(groups), ...), printed
+// from the plan's ScalarLayout: the one definition of the layout, for generated code too.
+std::string scalar_layout_source(const ScalarLayout& layout);
 
 }  // namespace optfuse

@@ -126,6 +126,7 @@ CPrinter::CPrinter(const Plan& plan, const Dialect& dialect) : plan_(plan), d_(d
     else if (n.op == Op::Hyper) base = sanitize(p.hypers[static_cast<size_t>(n.index)].name);
     else if (n.op == Op::Step) base = "step";
     else if (n.op == Op::Global) base = global_name(n.index);
+    else if (n.op == Op::UniformState) base = sanitize(p.uniform_states[static_cast<size_t>(n.index)].name);
     else base = "t" + std::to_string(i);
     std::string name = base;
     for (int k = 2; used.count(name); ++k) name = base + "_" + std::to_string(k);
@@ -267,8 +268,12 @@ std::string CPrinter::scalar_function(size_t phase) const {
   int limit = final_phase ? ph.level : ph.level - 1;
   std::ostringstream s;
   s << "\n// phase " << phase << ": uniform values of one parameter group, float64 math\n";
+  // The uniform states' arguments only where the chain has some: other chains' sources (and
+  // their compile keys, the golden files) are unchanged.
+  const bool ustates = !p.uniform_states.empty();
   s << "OF_FN void of_phase" << phase << "_scalars(const double* hyper, double steps, const double* globals, "
-    << "const double* reductions, double* derived, double* skip, double* steps_out) {\n";
+    << "const double* reductions, double* derived, double* skip, double* steps_out"
+    << (ustates ? ", const double* ustate, double* ustate_out" : "") << ") {\n";
   for (size_t i = 0; i < g.size(); ++i) {
     if (plan_.kind[i] != ValueKind::Uniform || plan_.level[i] > limit) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
@@ -278,6 +283,7 @@ std::string CPrinter::scalar_function(size_t phase) const {
       case Op::Hyper: rhs = "hyper[" + std::to_string(n.index) + "]"; break;
       case Op::Step: rhs = "steps + 1.0"; break;
       case Op::Global: rhs = "globals[" + std::to_string(n.index) + "]"; break;
+      case Op::UniformState: rhs = "ustate[" + std::to_string(n.index) + "]"; break;
       case Op::SumSquares:
       case Op::AnyNonFinite: {
         rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))]) + "]";
@@ -299,8 +305,18 @@ std::string CPrinter::scalar_function(size_t phase) const {
       s << "  const bool skip_step = false;\n";
     }
     s << "  *skip = skip_step ? 1.0 : 0.0;\n  if (!skip_step) *steps_out = steps + 1.0;\n";
+    if (ustates) {  // after every read of ustate above: ustate_out may be the same row
+      s << "  if (!skip_step) {  // the uniform states, committed as the step count\n";
+      for (size_t u = 0; u < p.uniform_state_out.size(); ++u) {
+        const Node& n = g.node(p.uniform_state_out[u]);
+        s << "    ustate_out[" << u << "] = "
+          << (n.op == Op::Const ? literal(n.value, false) : value_name(p.uniform_state_out[u])) << ";\n";
+      }
+      s << "  }\n";
+    }
   }
-  s << "  (void)hyper; (void)steps; (void)globals; (void)reductions; (void)derived; (void)skip; (void)steps_out;\n}\n";
+  s << "  (void)hyper; (void)steps; (void)globals; (void)reductions; (void)derived; (void)skip; (void)steps_out;"
+    << (ustates ? " (void)ustate; (void)ustate_out;" : "") << "\n}\n";
   return s.str();
 }
 

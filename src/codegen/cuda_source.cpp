@@ -30,8 +30,10 @@
 //      graph) combines this phase's per-chunk partials in chunk order (a fixed strided sum and
 //      shuffle tree: bitwise the same every run, no floating-point atomics) into the table for the
 //      next phase -- per-tensor reductions per tensor, a warp per tensor over its chunk range
-//      (OfTensor::first_chunk, num_chunks) into tensor_reductions[tensor] -- and after the update phase commits the step: skip flags, derived values and step
-//      counts of every group.
+//      (OfTensor::first_chunk, num_chunks) into tensor_reductions[tensor] -- and after the update
+//      phase commits the step: skip flags, derived values, step counts and uniform states of every
+//      group. Every block's prologue read the old uniform states (the last block runs after every
+//      other block passed its prologue), so the commit happens once, here.
 //
 // Nothing here depends on tensor shapes, the group count or hyperparameter values: the table
 // offsets that depend on the group count are computed at run time from `groups`.
@@ -53,13 +55,7 @@ constexpr int kThreads = 256;
 
 const char* kCudaDriverPrelude = R"(
 #define OF_UNIFORM (OF_DERIVED + 1)  // per group in shared memory: derived values, then skip
-
-// Scalar table layout (ScalarLayout in plan.h):
-//   globals[2] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | derived[G x D]
-__device__ __forceinline__ long long of_hypers_offset() { return 2 + OF_REDUCTIONS; }
-__device__ __forceinline__ long long of_steps_offset(int groups) { return of_hypers_offset() + (long long)groups * OF_HYPERS; }
-__device__ __forceinline__ long long of_skip_offset(int groups) { return of_steps_offset(groups) + groups; }
-__device__ __forceinline__ long long of_derived_offset(int groups) { return of_skip_offset(groups) + groups; }
+// (The scalar table's offset functions are printed before this from the plan's ScalarLayout.)
 
 // Storage dtypes (DType codes): 0 float32, 1 float16, 2 bfloat16, 3 int16 (master-weight
 // remainders: integers, stored exactly). Conversions use the hardware instructions, which round to
@@ -216,18 +212,23 @@ PhaseRoles phase_roles(const ElementPhase& ph) {
 }
 
 // One group's uniform values for phase i, hyperparameters resolved from their sources.
-std::string group_function(size_t i) {
+// ustate_out: where the final phase commits the group's uniform states (the table's row in the
+// last block; a scratch row in the prologue, where nothing may be committed).
+std::string group_function(const Plan& plan, size_t i) {
+  const bool ustates = plan.layout.uniform_states_per_group > 0;
   std::ostringstream s;
   s << "\n__device__ __forceinline__ void of_phase" << i
     << "_group(const double* table, int groups, int g, const OfHyperSource* sources, const double* globals, "
-       "double* derived, double* skip, double* steps_out) {\n"
+       "double* derived, double* skip, double* steps_out" << (ustates ? ", double* ustate_out" : "") << ") {\n"
     << "  double hyper[OF_HYPERS_ARRAY];\n"
     << "  const double* stored = table + of_hypers_offset() + (long long)g * OF_HYPERS;\n"
     << "  for (int k = 0; k < OF_HYPERS; ++k) {\n"
     << "    const OfHyperSource src = sources[(long long)g * OF_HYPERS + k];\n"
     << "    hyper[k] = src.ptr == 0ull ? stored[k] : src.type == 1 ? *(const double*)src.ptr : (double)*(const float*)src.ptr;\n"
     << "  }\n"
-    << "  of_phase" << i << "_scalars(hyper, table[of_steps_offset(groups) + g], globals, table + 2, derived, skip, steps_out);\n"
+    << "  of_phase" << i << "_scalars(hyper, table[of_steps_offset(groups) + g], globals, table + of_reductions_offset(), "
+       "derived, skip, steps_out"
+    << (ustates ? ", table + of_ustate_offset(groups) + (long long)g * OF_USTATES, ustate_out" : "") << ");\n"
     << "}\n";
   return s.str();
 }
@@ -366,6 +367,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   const ElementPhase& ph = plan.phases[i];
   const Graph& g = plan.program.graph;
   bool update = ph.kind == ElementPhase::Kind::Update;
+  const bool ustates = plan.layout.uniform_states_per_group > 0;
   size_t nred = ph.reductions.size();
   std::ostringstream s;
   s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, OF_MIN_BLOCKS) of_phase" << i
@@ -384,8 +386,10 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     << "  __syncthreads();\n"
     << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n"
     << "    double steps_unused;\n"
+    << (ustates ? "    double ustate_unused[OF_USTATES];  // the commit is the last block's, after every block read the old values\n" : "")
     << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
-    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused);\n"
+    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
+    << (ustates ? ", ustate_unused" : "") << ");\n"
     << "  }\n"
     << "  __syncthreads();\n"
     << "  if ((long long)blockIdx.x < num_chunks) {\n"
@@ -433,9 +437,11 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   if (update)
     s << "  if (threadIdx.x == 0) { table[0] = globals[0]; table[1] = globals[1]; }\n"
       << "  const long long steps_at = of_steps_offset(groups), derived_at = of_derived_offset(groups);\n"
-      << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS)  // commit: skip, derived values, step count\n"
+      << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS)  // commit: skip, derived values, step count"
+      << (ustates ? ", uniform states" : "") << "\n"
       << "    of_phase" << i << "_group(table, groups, g, sources, globals, table + derived_at + (long long)g * OF_DERIVED, "
-      << "table + of_skip_offset(groups) + g, table + steps_at + g);\n";
+      << "table + of_skip_offset(groups) + g, table + steps_at + g"
+      << (ustates ? ", table + of_ustate_offset(groups) + (long long)g * OF_USTATES" : "") << ");\n";
   s << "  if (threadIdx.x == 0) *done_count = 0u;  // ready for the next launch (or graph replay)\n"
     << "  (void)partials; (void)scratch; (void)tensor_reductions; (void)num_tensors; (void)combine_here;\n}\n";
   if (nred > 0)  // the Combine step of a sharded step: one block over every rank's partials
@@ -465,12 +471,13 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
     << std::max(L.derived_per_group, 1) << "\n#define OF_VALUES_ARRAY " << std::max(L.derived_per_group + L.tensor_values, 1)
     << "\n#define OF_TENSOR_REDUCTIONS " << L.tensor_reductions
-    << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_THREADS "
+    << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_USTATES " << L.uniform_states_per_group
+    << "\n#define OF_THREADS "
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
-    << pr.common_source() << abi_source() << kCudaDriverPrelude;
+    << pr.common_source() << abi_source() << scalar_layout_source(L) << kCudaDriverPrelude;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
-    s << group_function(i);
+    s << group_function(plan, i);
     for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k]);
     s << element_kernel(plan, i, variants);
   }

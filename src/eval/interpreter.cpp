@@ -56,6 +56,9 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
         case Op::Hyper: val[i] = table[L.hypers_offset() + grp * L.hypers_per_group + n.index]; break;
         case Op::Step: val[i] = steps + 1; break;
         case Op::Global: val[i] = table[L.globals_offset() + n.index]; break;
+        case Op::UniformState:  // the value before this step: the commit below comes after every read
+          val[i] = table[L.uniform_states_offset(groups) + grp * L.uniform_states_per_group + n.index];
+          break;
         case Op::SumSquares:
         case Op::AnyNonFinite: {
           val[i] = table[L.reductions_offset() + plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
@@ -76,7 +79,12 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
     if (final_phase) {
       bool skip = p.skip != kNoNode && val[static_cast<size_t>(p.skip)] != 0.0;
       table[L.skip_offset(groups) + grp] = skip ? 1.0 : 0.0;
-      if (!skip) table[L.steps_offset(groups) + grp] = steps + 1;
+      if (!skip) {
+        table[L.steps_offset(groups) + grp] = steps + 1;
+        for (size_t u = 0; u < p.uniform_state_out.size(); ++u)
+          table[L.uniform_states_offset(groups) + grp * L.uniform_states_per_group + static_cast<int>(u)] =
+              val[static_cast<size_t>(p.uniform_state_out[u])];
+      }
     }
   }
 }

@@ -21,7 +21,8 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
 
 // Scalar phase before element phase `phase_index` of the plan: evaluates uniform values for every
 // group in float64 into the derived area (reductions already combined). Before the update phase it
-// also decides skip per group and, where not skipped, commits the step count.
+// also decides skip per group and, where not skipped, commits the step count and the uniform states
+// (the values every uniform read of this step saw are the old ones).
 void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups);
 
 // One tensor's values (ValueKind::Tensor) of level <= limit, float64, into val[node]: from its

@@ -16,7 +16,7 @@ struct OpInfo {
 // Indexed by Op; keep in the enum's order.
 constexpr OpInfo kOps[] = {
     {"const", 0},     {"param", 0},     {"grad", 0},        {"state", 0},     {"hyper", 0},
-    {"step", 0},      {"global", 0},    {"neg", 1},         {"abs", 1},       {"sign", 1},
+    {"step", 0},      {"global", 0},    {"uniform_state", 0}, {"neg", 1},         {"abs", 1},       {"sign", 1},
     {"sqrt", 1},      {"rsqrt", 1},     {"exp", 1},         {"log", 1},       {"not", 1},
     {"isfinite", 1},  {"round_bf16", 1}, {"round_f16", 1},  {"add", 2},       {"sub", 2},
     {"mul", 2},       {"div", 2},       {"pow", 2},         {"min", 2},       {"max", 2},

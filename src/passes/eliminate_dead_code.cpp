@@ -1,4 +1,4 @@
-// Dead-code elimination: keeps only nodes that the outputs (new parameter, new states, skip) reach.
+// Dead-code elimination: keeps only nodes that the outputs (new parameter, new states, skip, new uniform states) reach.
 // Rules compute values they may not use (a name given for readability, a folded branch).
 #include "passes/pass_pipeline.h"
 
@@ -12,6 +12,7 @@ Program eliminate_dead_code(const Program& p) {
   mark(p.param_out);
   for (NodeId s : p.state_out) mark(s);
   mark(p.skip);
+  for (NodeId u : p.uniform_state_out) mark(u);
   for (size_t i = p.graph.size(); i-- > 0;) {  // inputs precede users: one backward sweep
     if (!live[i]) continue;
     const Node& n = p.graph.node(static_cast<NodeId>(i));

@@ -10,6 +10,7 @@ Program rebuild(const Program& in, Fn rewrite) {
   out.chain_text = in.chain_text;
   out.states = in.states;
   out.hypers = in.hypers;
+  out.uniform_states = in.uniform_states;
   out.precision = in.precision;
   std::vector<NodeId> map(in.graph.size(), kNoNode);
   for (size_t i = 0; i < in.graph.size(); ++i) {
@@ -21,6 +22,7 @@ Program rebuild(const Program& in, Fn rewrite) {
   out.param_out = m(in.param_out);
   for (NodeId s : in.state_out) out.state_out.push_back(m(s));
   out.skip = m(in.skip);
+  for (NodeId u : in.uniform_state_out) out.uniform_state_out.push_back(m(u));
   for (auto& [id, name] : in.names)
     if (m(id) != kNoNode) out.names.emplace(m(id), name);
   return out;

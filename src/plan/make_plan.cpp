@@ -51,6 +51,12 @@ void classify(Plan& plan) {
       plan.level[i] = lvl;
     }
   }
+  for (size_t u = 0; u < plan.program.uniform_state_out.size(); ++u) {
+    ValueKind k = plan.kind[static_cast<size_t>(plan.program.uniform_state_out[u])];
+    if (k != ValueKind::Uniform)
+      throw Error("uniform state " + plan.program.uniform_states[u].qualified + " needs a uniform new value (one per "
+                  "group), not a " + (k == ValueKind::Tensor ? "per-tensor" : "per-element") + " one");
+  }
   if (plan.program.skip != kNoNode) {
     ValueKind k = plan.kind[static_cast<size_t>(plan.program.skip)];
     if (k == ValueKind::Element)
@@ -106,6 +112,7 @@ void build_phases(Plan& plan) {
   max_level = std::max(max_level, lvl(p.param_out));
   for (NodeId s : p.state_out) max_level = std::max(max_level, lvl(s));
   max_level = std::max(max_level, lvl(p.skip));
+  for (NodeId u : p.uniform_state_out) max_level = std::max(max_level, lvl(u));
   for (NodeId r : plan.reductions) max_level = std::max(max_level, lvl(r));
 
   for (int L = 1; L <= max_level; ++L) {
@@ -171,6 +178,7 @@ bool delay_reductions(Plan& plan) {
   mark(p.param_out, last);
   for (NodeId s : p.state_out) mark(s, last);
   if (p.skip != kNoNode) mark(p.skip, last);
+  for (NodeId u : p.uniform_state_out) mark(u, last);
 
   std::vector<int> forced(g.size(), 0);
   bool moved = false;
@@ -258,6 +266,7 @@ Plan make_plan(Program program) {
   assign_value_slots(plan);
   plan.layout.hypers_per_group = static_cast<int>(plan.program.hypers.size());
   plan.layout.derived_per_group = static_cast<int>(plan.derived.size());
+  plan.layout.uniform_states_per_group = static_cast<int>(plan.program.uniform_states.size());
   plan.layout.reductions = global_slots;
   plan.layout.tensor_reductions = tensor_slots;
   plan.layout.tensor_values = static_cast<int>(plan.tensor_derived.size());
@@ -327,6 +336,19 @@ std::string Plan::describe(DType storage) const {
     s << ")";
   }
   s << "\n";
+  if (!p.uniform_states.empty()) {
+    s << "  uniform states per group (float64, kept across steps, committed by the final scalar phase where the step "
+         "is not skipped):";
+    for (size_t u = 0; u < p.uniform_states.size(); ++u) {
+      const NodeId out = p.uniform_state_out[u];
+      auto it = p.names.find(out);
+      const Node& n = p.graph.node(out);
+      bool unchanged = n.op == Op::UniformState && n.index == static_cast<int32_t>(u);
+      s << (u ? "," : "") << " " << p.uniform_states[u].qualified << " (init " << p.uniform_states[u].init << ") <- "
+        << (unchanged ? "unchanged" : it != p.names.end() ? it->second : "%" + std::to_string(out));
+    }
+    s << "\n";
+  }
   if (layout.tensor_reductions > 0) {
     s << "  scalars per tensor: " << layout.tensor_reductions << " reductions, " << tensor_derived.size()
       << " tensor values (";
@@ -348,6 +370,7 @@ std::string print_ir(const Program& p, const std::vector<ValueKind>* kinds) {
     if (n.op == Op::State) s << " " << p.states.at(static_cast<size_t>(n.index)).qualified;
     if (n.op == Op::Hyper) s << " " << p.hypers.at(static_cast<size_t>(n.index)).qualified;
     if (n.op == Op::Global) s << " " << global_name(n.index);
+    if (n.op == Op::UniformState) s << " " << p.uniform_states.at(static_cast<size_t>(n.index)).qualified;
     if (op_is_reduction(n.op) && reduction_scope(n) != Scope::Global) s << " [" << scope_name(reduction_scope(n)) << "]";
     for (int k = 0; k < op_arity(n.op); ++k) s << (k ? ", %" : " %") << n.in[k];
     std::string note;
@@ -359,6 +382,9 @@ std::string print_ir(const Program& p, const std::vector<ValueKind>* kinds) {
       if (p.state_out[st] == static_cast<NodeId>(i) && !(n.op == Op::State && n.index == static_cast<int32_t>(st)))
         note += " -> " + p.states[st].qualified;
     if (static_cast<NodeId>(i) == p.skip) note += " -> skip";
+    for (size_t u = 0; u < p.uniform_state_out.size(); ++u)
+      if (p.uniform_state_out[u] == static_cast<NodeId>(i) && !(n.op == Op::UniformState && n.index == static_cast<int32_t>(u)))
+        note += " -> " + p.uniform_states[u].qualified;
     if (!note.empty()) s << "   ; " << note;
     s << "\n";
   }

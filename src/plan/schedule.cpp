@@ -30,7 +30,11 @@ std::string describe_schedule(const Plan& plan) {
     switch (st.kind) {
       case ScheduleStep::Kind::Scalar:
         o << "scalar " << st.phase << ": uniform values per group for pass " << st.phase
-          << (ph.kind == ElementPhase::Kind::Update ? "; decide skip, commit the step count" : "") << "\n";
+          << (ph.kind == ElementPhase::Kind::Update
+                  ? (plan.program.uniform_states.empty() ? "; decide skip, commit the step count"
+                                                          : "; decide skip, commit the step count and uniform states")
+                  : "")
+          << "\n";
         break;
       case ScheduleStep::Kind::Pass:
         o << "pass " << st.phase << ": " << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update") << ", "

@@ -226,6 +226,24 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           return Chain{rules::averaged_sgd(a.num("lr"), a.num("lambd"), a.num("alpha"), a.num("t0"))};
         }}},
+      {"scale_by_nadam",
+       {{{"lr", 2e-3}, {"b1", 0.9}, {"b2", 0.999}, {"eps", 1e-8}, {"momentum_decay", 4e-3}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_nadam(a.num("lr"), a.num("b1"), a.num("b2"), a.num("eps"), a.num("momentum_decay"))};
+        }}},
+      {"nadam",
+       {{{"lr", 2e-3}, {"betas", {0.9, 0.999}}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"momentum_decay", 4e-3},
+         {"decoupled_weight_decay", false}, {"maximize", false}},
+        [](const Resolved& a) {
+          bool decoupled = a.flag("decoupled_weight_decay");
+          double wd = a.num("weight_decay");
+          Chain c;
+          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          if (!decoupled && wd != 0) c.push_back(rules::add_decayed_weights(wd));
+          if (decoupled && wd != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), wd));
+          c.push_back(rules::scale_by_nadam(a.num("lr"), a.beta(0), a.beta(1), a.num("eps"), a.num("momentum_decay")));
+          return c;
+        }}},
       {"scale_by_ademamix",
        {{{"b1", 0.9}, {"b2", 0.999}, {"b3", 0.9999}, {"alpha", 2.0}, {"t_alpha", 0.0}, {"t_beta3", 0.0}, {"eps", 1e-8}},
         [](const Resolved& a) {

@@ -270,6 +270,41 @@ Rule scale_by_rprop(double lr, double etaminus, double etaplus, double step_size
   });
 }
 
+// NAdam (Dozat 2016) as torch.optim.NAdam, the last rule of its chain (it includes lr and adds its
+// two terms to the parameter one after the other, as torch's two addcdiv_ calls round them):
+//   mu_t = b1 (1 - 0.5 * 0.96^(t psi)), mu_next = b1 (1 - 0.5 * 0.96^((t + 1) psi))  (psi: momentum_decay)
+//   mu_product <- mu_product * mu_t          (a uniform state, one per group, float32 as torch's tensor)
+//   exp_avg, exp_avg_sq as Adam's; denom = sqrt(exp_avg_sq / (1 - b2^t)) + eps
+//   param += (-lr (1 - mu_t) / (1 - mu_product)) * u / denom
+//   param += (-lr mu_next / (1 - mu_product * mu_next)) * exp_avg / denom
+// torch keeps mu_product in a float32 0-dim tensor (mu_product *= mu: float32 times mu rounded to
+// float32) and does the rest in float64 with its value: the new value is rounded to float32 here.
+Rule scale_by_nadam(double lr, double b1, double b2, double eps, double momentum_decay) {
+  Rule r("scale_by_nadam");
+  r.hyper("lr", lr, Range::non_negative()).hyper("b1", b1, kBeta).hyper("b2", b2, kBeta);
+  r.hyper("eps", eps, Range::non_negative()).hyper("momentum_decay", momentum_decay, Range::non_negative());
+  r.state("exp_avg").state("exp_avg_sq");
+  r.uniform_state("mu_product", 1.0);
+  return r.update([](RuleBuilder& b) {
+    Expr u = b.update(), t = b.step(), lr = b.hyper("lr");
+    Expr b1 = b.hyper("b1"), b2 = b.hyper("b2"), psi = b.hyper("momentum_decay");
+    Expr m = new_exp_avg(b, u, b1);
+    Expr v = new_exp_avg_sq(b, u, b2);
+    b.set_state("exp_avg", m);
+    b.set_state("exp_avg_sq", v);
+    Expr mu = b.name(b1 * (1.0 - 0.5 * pow(0.96, t * psi)), "mu");
+    Expr mu_next = b.name(b1 * (1.0 - 0.5 * pow(0.96, (t + 1.0) * psi)), "mu_next");
+    Expr mu_product = b.name(round_uniform_to_f32(b.uniform_state("mu_product") * round_uniform_to_f32(mu)), "mu_product_new");
+    b.set_uniform_state("mu_product", mu_product);
+    Expr bc2 = b.name(1.0 - pow(b2, t), "bias_correction2");
+    Expr denom = b.name(sqrt(v / bc2) + b.hyper("eps"), "denom");
+    Expr grad_coef = b.name(-lr * (1.0 - mu) / (1.0 - mu_product), "grad_coef");
+    Expr exp_avg_coef = b.name(-lr * mu_next / (1.0 - mu_product * mu_next), "exp_avg_coef");
+    b.set_param_base(b.param_base() + grad_coef * u / denom);
+    return exp_avg_coef * m / denom;
+  });
+}
+
 // ASGD as torch.optim.ASGD, the last rule of its chain (it reads the new parameter to update the
 // average): param <- param * (1 - lambd * eta) - eta * u, then ax <- param if mu == 1 else
 // ax + (param - ax) * mu. torch keeps eta and mu as per-parameter scalars that it sets at the end

@@ -22,6 +22,7 @@ Rule scale_by_adamax(double b1, double b2, double eps);
 Rule scale_by_adadelta(double rho, double eps);
 Rule scale_by_rprop(double lr, double etaminus, double etaplus, double step_size_min, double step_size_max);
 Rule averaged_sgd(double lr, double lambd, double alpha, double t0);
+Rule scale_by_nadam(double lr, double b1, double b2, double eps, double momentum_decay);
 Rule scale_by_ademamix(double b1, double b2, double b3, double alpha, double t_alpha, double t_beta3, double eps);
 Rule schedule_free_adamw(double lr, double b1, double b2, double eps, double weight_decay, double warmup_steps);
 

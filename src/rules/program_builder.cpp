@@ -65,6 +65,14 @@ Rule& Rule::state_from_param(const std::string& name) {
   return *this;
 }
 
+Rule& Rule::uniform_state(const std::string& name, double init) {
+  check_name("uniform state", name);
+  for (auto& s : uniform_states_)
+    if (s.name == name) throw Error("rule " + name_ + ": uniform state '" + name + "' declared twice");
+  uniform_states_.push_back({name, init});
+  return *this;
+}
+
 Rule& Rule::update(UpdateFn fn) {
   fn_ = std::move(fn);
   return *this;
@@ -117,10 +125,20 @@ std::vector<int> Program::find_hypers(const std::string& name) const {
   return out;
 }
 
-RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, Expr param, Expr incoming,
-                         Expr* param_base)
+int Program::find_uniform_state(const std::string& name) const {
+  std::vector<std::string> known;
+  for (size_t i = 0; i < uniform_states.size(); ++i) {
+    if (uniform_states[i].name == name || uniform_states[i].qualified == name) return static_cast<int>(i);
+    known.push_back(uniform_states[i].qualified);
+  }
+  throw Error("unknown uniform state '" + name + "'" + suggestion(name, known) +
+              (known.empty() ? " (this chain has none)" : " (this chain has: " + join_names(known, 1) + ")"));
+}
+
+RuleBuilder::RuleBuilder(Program& p, const Rule& r, int first_state, int first_hyper, int first_uniform_state,
+                         Expr param, Expr incoming, Expr* param_base)
     : p_(p), param_(param), param_base_(param_base), rule_(r), first_state_(first_state), first_hyper_(first_hyper),
-      incoming_(incoming) {}
+      first_uniform_state_(first_uniform_state), incoming_(incoming) {}
 
 static Expr leaf(Graph& g, Op op, int32_t index = -1) {
   Node n;
@@ -168,6 +186,30 @@ Expr RuleBuilder::hyper(const std::string& name) {
   Expr e = leaf(p_.graph, Op::Hyper, first_hyper_ + i);
   p_.names.emplace(e.id, name);
   return e;
+}
+
+Expr RuleBuilder::uniform_state(const std::string& name) {
+  std::vector<std::string> names;
+  for (auto& s : rule_.uniform_states()) names.push_back(s.name);
+  int i = find_declared(rule_.name(), "uniform state", name, names);
+  Expr e = leaf(p_.graph, Op::UniformState, first_uniform_state_ + i);
+  p_.names.emplace(e.id, name);
+  return e;
+}
+
+static bool is_element_value(const Graph& g, NodeId id);
+
+void RuleBuilder::set_uniform_state(const std::string& name, Expr value) {
+  std::vector<std::string> names;
+  for (auto& s : rule_.uniform_states()) names.push_back(s.name);
+  int i = find_declared(rule_.name(), "uniform state", name, names);
+  if (!value.valid() || value.graph != &p_.graph)
+    throw Error("rule " + rule_.name() + ": set_uniform_state('" + name + "') got an expression of another graph");
+  if (is_element_value(p_.graph, value.id))
+    throw Error("rule " + rule_.name() + ": uniform state '" + name + "' needs a uniform value (one per group), "
+                "not a per-element one; reduce it first, e.g. with global_sum_of_squares()");
+  p_.uniform_state_out[static_cast<size_t>(first_uniform_state_ + i)] = value.id;
+  p_.names.emplace(value.id, name + "_new");
 }
 
 // Whether a value differs per element: it reads a param, grad or state without a reduction between.
@@ -264,6 +306,7 @@ Program build_program(const Chain& chain, const Precision& precision) {
     std::string prefix = n == 1 ? r.name() : r.name() + "#" + std::to_string(n);
     for (auto& s : r.states()) p.states.push_back({r.name(), s.name, prefix + "." + s.name, s.init, s.from_param});
     for (auto& h : r.hypers()) p.hypers.push_back({r.name(), h.name, prefix + "." + h.name, h.value, h.range});
+    for (auto& u : r.uniform_states()) p.uniform_states.push_back({r.name(), u.name, prefix + "." + u.name, u.init});
     p.chain_text += (p.chain_text.empty() ? "" : ", ") + r.signature();
   }
   p.chain_text = "chain(" + p.chain_text + ")";
@@ -274,6 +317,10 @@ Program build_program(const Chain& chain, const Precision& precision) {
   for (size_t i = 0; i < p.states.size(); ++i) {
     p.state_out.push_back(leaf(p.graph, Op::State, static_cast<int32_t>(i)).id);
     p.names.emplace(p.state_out.back(), p.states[i].name);
+  }
+  for (size_t i = 0; i < p.uniform_states.size(); ++i) {
+    p.uniform_state_out.push_back(leaf(p.graph, Op::UniformState, static_cast<int32_t>(i)).id);
+    p.names.emplace(p.uniform_state_out.back(), p.uniform_states[i].name);
   }
   Expr stored = leaf(p.graph, Op::Param);  // the parameter as stored
   p.names.emplace(stored.id, "param");
@@ -287,10 +334,10 @@ Program build_program(const Chain& chain, const Precision& precision) {
   Expr param_base = param;  // what the final update is added to (scale_param may decay it)
   Expr incoming = leaf(p.graph, Op::Grad);
   p.names.emplace(incoming.id, "grad");
-  int first_state = 0, first_hyper = 0;
+  int first_state = 0, first_hyper = 0, first_uniform_state = 0;
   for (const Rule& r : chain) {
     if (!r.update_fn()) throw Error("rule " + r.name() + " has no update function");
-    RuleBuilder b(p, r, first_state, first_hyper, param, incoming, &param_base);
+    RuleBuilder b(p, r, first_state, first_hyper, first_uniform_state, param, incoming, &param_base);
     Expr out = r.update_fn()(b);
     if (!out.valid() || out.graph != &p.graph)
       throw Error("rule " + r.name() + " returned no update expression");
@@ -298,6 +345,7 @@ Program build_program(const Chain& chain, const Precision& precision) {
     incoming = out;
     first_state += static_cast<int>(r.states().size());
     first_hyper += static_cast<int>(r.hypers().size());
+    first_uniform_state += static_cast<int>(r.uniform_states().size());
   }
   Expr pnew = param_base + incoming;
   p.names.emplace(pnew.id, "param_new");

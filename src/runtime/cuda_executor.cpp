@@ -187,12 +187,22 @@ class CudaExecutor : public Executor {
                   " bytes of shared memory per block for their uniform values (at most " +
                   std::to_string(kMaxDynamicShared) + ")");
     std::vector<double> fresh(static_cast<size_t>(L.size(groups)), 0.0);
+    const int S = L.uniform_states_per_group;
+    for (int g = 0; g < groups; ++g)  // new groups' uniform states start at their init values
+      for (int u = 0; u < S; ++u)
+        fresh[static_cast<size_t>(L.uniform_states_offset(groups) + g * S + u)] =
+            plan_.program.uniform_states[static_cast<size_t>(u)].init;
     cuda::DeviceBuffer table(fresh.size() * sizeof(double));
     uploads_.upload(table.ptr(), fresh.data(), fresh.size() * sizeof(double), stream_);
-    if (groups_ > 0)  // keep the step counts of groups that stay (they live on the device)
+    if (groups_ > 0) {  // keep the step counts and uniform states of groups that stay (they live on the device)
+      const size_t kept = static_cast<size_t>(std::min(groups, groups_));
       cuda::copy_device_to_device(table.ptr() + static_cast<CUdeviceptr>(L.steps_offset(groups)) * sizeof(double),
-                                  table_at(L.steps_offset(groups_)),
-                                  static_cast<size_t>(std::min(groups, groups_)) * sizeof(double), stream_);
+                                  table_at(L.steps_offset(groups_)), kept * sizeof(double), stream_);
+      if (S > 0)  // rows [group][S]: the kept groups' rows are one contiguous block
+        cuda::copy_device_to_device(
+            table.ptr() + static_cast<CUdeviceptr>(L.uniform_states_offset(groups)) * sizeof(double),
+            table_at(L.uniform_states_offset(groups_)), kept * static_cast<size_t>(S) * sizeof(double), stream_);
+    }
     retire(std::move(table_));
     table_ = std::move(table);
     retire(std::move(sources_));
@@ -221,6 +231,20 @@ class CudaExecutor : public Executor {
   void write_step(int group, int64_t steps) override {
     double v = static_cast<double>(steps);
     uploads_.upload(table_at(plan_.layout.steps_offset(groups_) + group), &v, sizeof v, stream_);
+  }
+
+  double read_uniform_state(int group, int slot) override {
+    double v = 0;
+    const ScalarLayout& L = plan_.layout;
+    cuda::copy_to_host(&v, table_at(L.uniform_states_offset(groups_) + group * L.uniform_states_per_group + slot), sizeof v,
+                       stream_);
+    return v;
+  }
+
+  void write_uniform_state(int group, int slot, double value) override {
+    const ScalarLayout& L = plan_.layout;
+    uploads_.upload(table_at(L.uniform_states_offset(groups_) + group * L.uniform_states_per_group + slot), &value,
+                    sizeof value, stream_);
   }
 
   // A new tensor set: new device buffers, filled by queued uploads; the old ones are freed once

@@ -24,7 +24,8 @@ static_assert(sizeof(HyperSource) == 16, "HyperSource is shared with generated c
 class Executor {
  public:
   virtual ~Executor() = default;
-  // Resizes the scalar table for `groups` groups, keeping step counts of existing groups.
+  // Resizes the scalar table for `groups` groups, keeping step counts and uniform states of existing
+  // groups; new groups' uniform states start at their init values.
   virtual void resize_groups(int groups) = 0;
   // Writes the hyperparameter area ([group][hyper], plan layout).
   virtual void write_hypers(const std::vector<double>& hypers) = 0;
@@ -32,6 +33,9 @@ class Executor {
   virtual void write_hyper_sources(const std::vector<HyperSource>& sources) = 0;
   virtual int64_t read_step(int group) = 0;
   virtual void write_step(int group, int64_t steps) = 0;
+  // A group's uniform state `slot` (Program::uniform_states), as committed by the last step.
+  virtual double read_uniform_state(int group, int slot) = 0;
+  virtual void write_uniform_state(int group, int slot, double value) = 0;
   // Tensors were validated by the Optimizer.
   virtual void set_tensors(const std::vector<TensorRef>& tensors) = 0;
   // Same tensors (sizes, dtypes, groups), new data pointers: backends may skip rebuilding chunks.

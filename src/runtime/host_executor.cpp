@@ -13,8 +13,17 @@ HostExecutor::HostExecutor(PlanPtr plan, int32_t chunk_elems)
 void HostExecutor::resize_groups(int groups) {
   const ScalarLayout& L = plan_.layout;
   std::vector<double> t(static_cast<size_t>(L.size(groups)), 0.0);
-  for (int g = 0; g < groups && g < groups_; ++g)
-    t[static_cast<size_t>(L.steps_offset(groups) + g)] = table_[static_cast<size_t>(L.steps_offset(groups_) + g)];
+  const auto& ustates = plan_.program.uniform_states;
+  const int S = L.uniform_states_per_group;
+  for (int g = 0; g < groups; ++g) {
+    const bool kept = g < groups_;
+    if (kept)
+      t[static_cast<size_t>(L.steps_offset(groups) + g)] = table_[static_cast<size_t>(L.steps_offset(groups_) + g)];
+    for (int u = 0; u < S; ++u)
+      t[static_cast<size_t>(L.uniform_states_offset(groups) + g * S + u)] =
+          kept ? table_[static_cast<size_t>(L.uniform_states_offset(groups_) + g * S + u)]
+               : ustates[static_cast<size_t>(u)].init;
+  }
   table_ = std::move(t);
   groups_ = groups;
 }
@@ -29,6 +38,16 @@ int64_t HostExecutor::read_step(int group) {
 
 void HostExecutor::write_step(int group, int64_t steps) {
   table_[static_cast<size_t>(plan_.layout.steps_offset(groups_) + group)] = static_cast<double>(steps);
+}
+
+double HostExecutor::read_uniform_state(int group, int slot) {
+  const ScalarLayout& L = plan_.layout;
+  return table_[static_cast<size_t>(L.uniform_states_offset(groups_) + group * L.uniform_states_per_group + slot)];
+}
+
+void HostExecutor::write_uniform_state(int group, int slot, double value) {
+  const ScalarLayout& L = plan_.layout;
+  table_[static_cast<size_t>(L.uniform_states_offset(groups_) + group * L.uniform_states_per_group + slot)] = value;
 }
 
 void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {

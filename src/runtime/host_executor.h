@@ -17,6 +17,8 @@ class HostExecutor : public Executor {
   void write_hyper_sources(const std::vector<HyperSource>& sources) override { sources_ = sources; }
   int64_t read_step(int group) override;
   void write_step(int group, int64_t steps) override;
+  double read_uniform_state(int group, int slot) override;
+  void write_uniform_state(int group, int slot, double value) override;
   void set_tensors(const std::vector<TensorRef>& tensors) override;
   void step(const StepInputs& in) override;
   int32_t chunk_elements() const override { return chunk_elems_; }

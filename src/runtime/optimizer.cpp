@@ -140,6 +140,16 @@ void Optimizer::set_step_count(int group, int64_t steps) {
   exec_->write_step(group, steps);
 }
 
+double Optimizer::uniform_state(int group, const std::string& name) const {
+  check_group(group);
+  return exec_->read_uniform_state(group, plan_->program.find_uniform_state(name));
+}
+
+void Optimizer::set_uniform_state(int group, const std::string& name, double value) {
+  check_group(group);
+  exec_->write_uniform_state(group, plan_->program.find_uniform_state(name), value);
+}
+
 namespace {
 
 void check_buffer(const std::string& where, const std::string& what, const Buffer& b, const Buffer& param) {

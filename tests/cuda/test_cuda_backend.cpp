@@ -86,6 +86,12 @@ std::vector<Case> all_cases() {
       make_builtin("lamb", {{"max_grad_norm", 0.0}, {"weight_decay", 0.0}, {"always_adapt", true}, {"bias_correction", false}}));
   add("lars(momentum, nesterov, weight_decay, trust_clip)",
       make_builtin("lars", {{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}, {"trust_clip", true}}));
+  add("nadam(decoupled_weight_decay, maximize)",
+      make_builtin("nadam", {{"weight_decay", 0.1}, {"decoupled_weight_decay", true}, {"maximize", true}}));
+  add("nadam(weight_decay, momentum_decay)", make_builtin("nadam", {{"weight_decay", 0.1}, {"momentum_decay", 0.01}}));
+  // A uniform state in a plan with a reduce pass: read by both kernels' prologues, committed once.
+  add("chain(clip_by_global_norm(1.0), skip_if_nonfinite(), nadam())",
+      chain({clip_by_global_norm(1.0), make_builtin("skip_if_nonfinite"), make_builtin("nadam")}));
   add("chain(unscale_by_grad_scale(), skip_if_nonfinite(), adam())",
       chain({make_builtin("unscale_by_grad_scale"), make_builtin("skip_if_nonfinite"), adam()}));
   return cases;
@@ -145,8 +151,13 @@ double worst_vs_reference(const Chain& c, DType dtype, int steps, const std::vec
     double d = optfuse::testing::max_relative_difference(got, want);
     worst = std::isnan(d) || d > worst ? d : worst;
   }
-  for (int g = 0; g < 2; ++g)
+  for (int g = 0; g < 2; ++g) {
     if (opt.step_count(g) != ref.step_count(g)) return NAN;
+    for (const ProgramUniformState& u : ref.plan().program.uniform_states)  // committed by the last block
+      if (!(std::fabs(opt.uniform_state(g, u.qualified) - ref.uniform_state(g, u.qualified)) <=
+            1e-12 * std::fabs(ref.uniform_state(g, u.qualified))))
+        return NAN;
+  }
   return worst;
 }
 
@@ -415,6 +426,38 @@ TEST(CudaBackend, GradScalerContract) {
   store_element(got.bytes(4, 1).data(), DType::f32, 777, after_one.value(4, 1, 777));  // the input we changed
   EXPECT_TRUE(same_bytes(got, after_one));
   EXPECT_EQ(opt.step_count(0), 1);
+}
+
+TEST(CudaBackend, UniformStateCommittedOnceAndNotOnSkippedSteps) {
+  REQUIRE_GPU();
+  // NAdam's mu_product: read by every block's prologue, committed by the last block only.
+  Chain c = chain({make_builtin("unscale_by_grad_scale"), make_builtin("nadam", {{"lr", 1e-2}})});
+  Optimizer ref(c, Backend::reference, 2), opt(c, Backend::cuda, 2);
+  HostTensorSet want(ref.plan(), kSpecs, DType::f32, 5), got(ref.plan(), kSpecs, DType::f32, 5);
+  ref.set_tensors(want.refs());
+  DeviceTensorSet dev(got);
+  opt.set_tensors(dev.refs());
+  cu::DeviceBuffer scalars(2 * sizeof(float));
+  auto step_with = [&](float found_inf) {
+    float h[2] = {1.0f, found_inf};
+    cu::copy_to_device(scalars.ptr(), h, sizeof h, nullptr);
+    StepInputs in;
+    in.grad_scale = reinterpret_cast<const float*>(scalars.ptr());
+    in.found_inf = in.grad_scale + 1;
+    opt.step(in);
+    if (found_inf == 0.0f) ref.step();
+  };
+  for (float inf : {0.0f, 1.0f, 0.0f, 0.0f, 1.0f}) step_with(inf);
+  EXPECT_EQ(opt.step_count(0), 3);
+  for (int g = 0; g < 2; ++g)
+    EXPECT_NEAR(opt.uniform_state(g, "mu_product"), ref.uniform_state(g, "mu_product"), 1e-15);
+  const double kept = opt.uniform_state(0, "mu_product");
+  EXPECT_LT(kept, 1.0);
+  opt.add_group();  // keeps existing values, the new group starts at the init value
+  EXPECT_EQ(opt.uniform_state(0, "mu_product"), kept);
+  EXPECT_EQ(opt.uniform_state(2, "mu_product"), 1.0);
+  dev.download(got);
+  EXPECT_LE(optfuse::testing::max_relative_difference(got, want), 1e-5);
 }
 
 TEST(CudaBackend, EmptyTensorSetStillCountsSteps) {

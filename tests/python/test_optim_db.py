@@ -42,7 +42,7 @@ STEPS = 20
 F32_TOL = 1e-6
 CUDA_F32_TOL = 2e-6  # torch's CUDA kernels contract multiply-adds into FMAs; optfuse's do not
 STATE_TOL = 1e-4     # state tensors, relative to their own largest element (as test_training_loop.py)
-DROP_INS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD"]
+DROP_INS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD"]
 
 
 def _infos():

@@ -71,6 +71,9 @@ GRID = [
     ("RAdam", dict(lr=1e-2)),  # b2 = 0.999: the SMA passes 5 at step 6, so both branches run
     ("RAdam", dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, maximize=True)),
     ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("NAdam", dict(lr=1e-2)),
+    ("NAdam", dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, momentum_decay=6e-3, maximize=True)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
     ("Adamax", dict(lr=1e-2)),
     ("Adamax", dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, maximize=True)),
     ("Adadelta", dict()),
@@ -122,7 +125,7 @@ def test_bfloat16_matches_torch(case, device):
     assert ours_err <= BF16_VS_F32 * torch_err + 4e-3, (ours_err, torch_err)
 
 
-# --- RAdam, Adamax, Adadelta, Rprop, ASGD: state dicts and fuse() mid-training, under an lr schedule ---
+# --- RAdam, NAdam, Adamax, Adadelta, Rprop, ASGD: state dicts and fuse() mid-training, under an lr schedule ---
 
 import copy  # noqa: E402
 
@@ -130,6 +133,8 @@ from conftest import loss_of  # noqa: E402
 
 NEW_CLASSES = [
     ("RAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1, momentum_decay=6e-3)),
+    ("NAdam", dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True, maximize=True)),
     ("Adamax", dict(lr=1e-2, weight_decay=0.1, maximize=True)),
     ("Adadelta", dict(lr=0.5, rho=0.8, weight_decay=0.1)),
     ("Rprop", dict(lr=1e-3, etas=(0.4, 1.3))),
@@ -160,7 +165,7 @@ def assert_same_state(ours, ref):
         for k, v in theirs.items():
             mine = a["state"][i][k]
             assert mine.dtype == v.dtype and mine.device == v.device and mine.shape == v.shape, (i, k)
-            if k in ("step", "eta", "mu"):  # per-parameter scalars: exactly torch's
+            if k in ("step", "eta", "mu", "mu_product"):  # per-parameter scalars: exactly torch's
                 assert torch.equal(mine, v), f"parameter {i}: {k} {mine} != torch's {v}"
                 continue
             scale = max(v.abs().max().item(), 1e-30)

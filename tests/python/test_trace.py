@@ -155,13 +155,27 @@ class Indexing(_PlainLr):
                 p[0] -= g["lr"]
 
 
+class ScalarState(_PlainLr):
+    """A per-parameter 0-dim state multiplied every step (as torch.optim.NAdam's mu_product, which
+    fuse() now maps onto optfuse.torch.NAdam instead of tracing it)."""
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if "prod" not in st:
+                    st["prod"] = torch.ones(())
+                st["prod"] *= 0.9
+                p.add_(p.grad * st["prod"], alpha=-g["lr"])
+
+
 @pytest.mark.parametrize("make,match", [
-    (lambda ps: torch.optim.NAdam(ps), "NAdam.*mu_product"),
+    (lambda ps: ScalarState(ps), "ScalarState.*prod"),
     (lambda ps: torch.optim.LBFGS(ps), "LBFGS.*closure"),
     (lambda ps: ItemOnData(ps), "ItemOnData.*(max|item)"),
     (lambda ps: BranchOnData(ps), "BranchOnData.*(control flow|any)"),
     (lambda ps: Indexing(ps), "Indexing.*indexing"),
-], ids=["NAdam", "LBFGS", "item", "branch-on-data", "indexing"])
+], ids=["scalar-state", "LBFGS", "item", "branch-on-data", "indexing"])
 def test_refused_with_the_reason(make, match):
     model = make_model(torch.device("cpu"))
     train(model, make(model.parameters()), 1, torch.device("cpu")) if "LBFGS" not in match else None

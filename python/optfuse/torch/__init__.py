@@ -10,8 +10,8 @@ from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
 from ._muon import Muon, MuonWithAuxAdam  # noqa: F401
 from ._schedule_free import AdamWScheduleFree  # noqa: F401
-from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, RAdam, RMSprop,  # noqa: F401
-                          Rprop)
+from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, NAdam, RAdam,  # noqa: F401
+                          RMSprop, Rprop)
 
-__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion", "AdEMAMix",
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion", "AdEMAMix",
            "AdamWScheduleFree", "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]

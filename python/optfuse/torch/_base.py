@@ -117,6 +117,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._engines = {}
         self._watch = None
         self._steps = {}
+        self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._sigs = []
         self._keys = []
         self._features_by_key = {}
@@ -209,6 +210,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for e in self._engines.values():
             e.params, e.groups, e.group_of, e.indices = [], [], [], []
         self._steps = {}  # re-read from the loaded state
+        self._ustates = {}
         self._of_dirty = True
 
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
@@ -434,12 +436,46 @@ class FusedOptimizer(torch.optim.Optimizer):
         for e in self._engines.values():
             for p, count in e.steps():
                 self._steps[p] = count
+            for p, values in e.uniform_states():
+                self._ustates[p] = values
         if write_state and self._step_in_state:
             for group in self.param_groups:
                 for p in group["params"]:
                     st = self.state.get(p)
                     if st and p in self._steps:
                         st["step"] = torch.tensor(float(self._steps[p]), dtype=_scalar_dtype())
+        if write_state:
+            # Uniform states (NAdam's mu_product) into torch's format: a 0-dim tensor per parameter,
+            # new (as step), of the dtype and device the state had (torch's capturable keeps it on
+            # the parameter's device).
+            for p, values in self._ustates.items():
+                st = self.state.get(p)
+                if not st:
+                    continue
+                for name, value in values.items():
+                    old = st.get(name)
+                    like = old if torch.is_tensor(old) else None
+                    st[name] = torch.tensor(value, dtype=like.dtype if like is not None else _scalar_dtype(),
+                                            device=like.device if like is not None else None)
+
+    def _ustates_of(self, p, st, engine):
+        """Parameter p's uniform-state values for the engine's table: read back from an engine, else
+        from its state (a loaded state dict's 0-dim tensors), else the init values. Also puts each in
+        the state (torch's keys), so state dicts have them from the first step."""
+        if not engine.uniform_state_specs:
+            return None
+        known = self._ustates.get(p, {})
+        out = []
+        for name, init in engine.uniform_state_specs:
+            if name in known:
+                value = float(known[name])
+            elif name in st:
+                value = float(_plain(st[name]))
+            else:
+                value = float(init)
+                st[name] = torch.tensor(value, dtype=_scalar_dtype())
+            out.append(value)
+        return tuple(out)
 
     def _step_of(self, p):
         if p not in self._steps:
@@ -494,7 +530,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 states = self._states_for(p, st, engine, prec)
                 # Stochastic rounding: the parameter's stores unless a master copy holds its value.
                 stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
-                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, self._rng_stream(p, w)))
+                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, self._rng_stream(p, w),
+                                self._ustates_of(p, st, engine)))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
             built = self.__dict__.get("_on_engine_built")  # a sharded optimizer sets its exchange
             if built is not None:

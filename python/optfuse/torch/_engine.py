@@ -10,6 +10,12 @@ Step counts live on the device (a GradScaler's skipped step is decided there). W
 have been skipped (no found_inf given, no CUDA graph captured) the engine also knows them on the
 host, so a rebuild never has to read them back: nothing in the training loop waits for the GPU.
 
+Uniform states (one float64 value per group, kept across steps, e.g. NAdam's mu_product) live in the
+core's scalar table. Parameters that share an internal group share them, so internal groups are
+keyed by (torch group index, step count, uniform-state values): parameters of one torch group whose
+values disagree (a state dict from elsewhere) get groups of their own rather than one value forced
+on all. uniform_states() reads them back (from the device for CUDA: on state_dict and rebuilds only).
+
 Hyperparameters given as tensors (torch's capturable style) are *bound*: the kernel reads a
 float32/float64 tensor on the engine's device at every step, so `lr.fill_(x)` (a scheduler) takes
 effect without a host round trip, also between replays of a captured CUDA graph.
@@ -55,6 +61,8 @@ class Engine:
         self.state_storage = [(from_param, _DTYPE_NAMES[fixed] if fixed else None)
                               for from_param, fixed in self.core.state_storage]
         self.hyper_names = set(self.core.hyper_short_names) | set(self.core.hyper_names)
+        # uniform states: (short name, init value) per slot, in the core's order
+        self.uniform_state_specs = [(name, init) for name, _, init in self.core.uniform_state_specs]
         self.params = []    # parameters in table order
         self.states = []    # their state tensors in table order (len(state_names) per parameter)
         self.indices = []   # their slots in the optimizer's GradWatch
@@ -71,14 +79,20 @@ class Engine:
         parameter that steps; grad and states are tensors of the parameter's layout (each its own dtype),
         already checked; stochastic: (parameter, states) whether their float16/bfloat16 stores round
         stochastically, with the random stream rng: a key, or (key, offset of the tensor's first element
-        in the tensor the key names; a shard's offset)."""
+        in the tensor the key names; a shard's offset). An optional 9th field: the parameter's uniform-state
+        values (a tuple in uniform_state_specs order; their init values when absent)."""
         keys = {}
+        inits = tuple(init for _, init in self.uniform_state_specs)
+        ustates_of = lambda e: tuple(e[8]) if len(e) > 8 and e[8] is not None else inits  # noqa: E731
         self.groups, self.group_of, self.params, self.indices, self.states = [], [], [], [], []
-        for p, _, _, tg, step, _, _, _ in entries:
-            key = (tg, step)
+        self.group_ustates = []  # per internal group: its uniform-state values when the table was built
+        for e in entries:
+            tg, step = e[3], e[4]
+            key = (tg, step, ustates_of(e))
             if key not in keys:
                 keys[key] = len(self.groups)
-                self.groups.append(key)
+                self.groups.append((tg, step))
+                self.group_ustates.append(key[2])
         while self.core.num_groups < max(1, len(self.groups)):
             self.core.add_group()
         self.pushed = {}
@@ -92,10 +106,13 @@ class Engine:
         self.exact = self.countable and not self.captured
         for gi, (tg, step) in enumerate(self.groups):
             self.core.set_step_count(gi, step)
+            for (name, _), value in zip(self.uniform_state_specs, self.group_ustates[gi]):
+                self.core.set_uniform_state(gi, name, float(value))
             self._push(gi, hypers_of_torch_group(tg))
         ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys, rng_offsets = [], [], [], [], [], [], [], [], []
-        for p, g, states, tg, step, widx, stochastic, rng in entries:
-            gi = keys[(tg, step)]
+        for e in entries:
+            p, g, states, tg, step, widx, stochastic, rng = e[:8]
+            gi = keys[(tg, step, ustates_of(e))]
             self.params.append(p)
             self.indices.append(widx)
             self.group_of.append(gi)
@@ -166,6 +183,16 @@ class Engine:
         else:
             counts = [self.core.step_count(gi) for gi in range(len(self.groups))]
         return [(p, counts[gi]) for p, gi in zip(self.params, self.group_of)]
+
+    def uniform_states(self):
+        """Each parameter's uniform-state values in the table ({short name: value}), as the last step
+        that was not skipped left them (read from the device for CUDA)."""
+        if not self.uniform_state_specs or not self.params:
+            return []
+        with _on_device(self.device):
+            values = [{name: self.core.uniform_state(gi, name) for name, _ in self.uniform_state_specs}
+                      for gi in range(len(self.groups))]
+        return [(p, values[gi]) for p, gi in zip(self.params, self.group_of)]
 
     def step(self, grad_scale, found_inf, capturing=False):
         if not self.params:

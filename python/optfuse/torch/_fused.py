@@ -6,7 +6,7 @@ import torch
 
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError, _with_unscale
-from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, RAdam, RMSprop, Rprop
+from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 
 class Fused(FusedOptimizer):
@@ -67,6 +67,7 @@ _FUSABLE = {
     torch.optim.Adagrad: Adagrad,
     torch.optim.RMSprop: RMSprop,
     torch.optim.RAdam: RAdam,
+    torch.optim.NAdam: NAdam,
     torch.optim.Adamax: Adamax,
     torch.optim.Adadelta: Adadelta,
     torch.optim.Rprop: Rprop,
@@ -86,7 +87,7 @@ def _third_party_drop_ins():
 
 
 def fuse(opt):
-    """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
+    """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, NAdam, Adamax, Adadelta,
     Rprop or ASGD, or of a schedulefree.AdamWScheduleFree, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only).

@@ -1,4 +1,4 @@
-"""Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, Adamax, Adadelta,
+"""Drop-in replacements for torch.optim.SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, NAdam, Adamax, Adadelta,
 Rprop, ASGD, Lion (as lion-pytorch) and AdEMAMix (as apple/ml-ademamix), built from optfuse's registry of named optimizers (the
 same chains as C++ and SPEC text). Constructor arguments, defaults and validation are torch's own:
 each class asks the torch class it replaces for its defaults dict, so param_groups and state_dict
@@ -251,6 +251,43 @@ class RAdam(_OptionalWeightDecay):
     def _hypers(self, g):
         b1, b2 = g["betas"]
         return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
+
+
+class NAdam(_OptionalWeightDecay):
+    """Fused drop-in for torch.optim.NAdam (same arguments and defaults, state keys step, mu_product,
+    exp_avg, exp_avg_sq). mu_product is a uniform state of the core (one value per internal group,
+    committed on the device where the step is not skipped, so a GradScaler's skipped step keeps it);
+    it is seeded from each parameter's state and written back into it by state_dict()."""
+    _sig_keys = ("lr", "betas", "eps", "weight_decay", "momentum_decay", "maximize", "decoupled_weight_decay")
+
+    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
+                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False, differentiable=False):
+        kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
+                  decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, maximize=maximize,
+                  capturable=capturable, differentiable=differentiable)
+        _reject("NAdam", kw)
+        super().__init__(params, _torch_defaults(torch.optim.NAdam, kw))
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for g in self.param_groups:  # as torch.optim.NAdam: state dicts of versions before the option
+            g.setdefault("decoupled_weight_decay", False)
+
+    def _structure(self, g):
+        return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
+
+    def _make_chain(self, key, features, groups):
+        maximize, decoupled = key
+        g = groups[0]
+        b1, b2 = (float(b) for b in g["betas"])
+        return _core.make_builtin("nadam", lr=float(_plain(g["lr"])), betas=(b1, b2), eps=float(g["eps"]),
+                                  weight_decay=_wd_arg(features, groups), momentum_decay=float(g["momentum_decay"]),
+                                  decoupled_weight_decay=decoupled, maximize=maximize)
+
+    def _hypers(self, g):
+        b1, b2 = g["betas"]
+        return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"],
+                "momentum_decay": g["momentum_decay"]}
 
 
 class Adamax(_OptionalWeightDecay):
