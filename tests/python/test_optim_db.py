@@ -192,7 +192,8 @@ def test_optim_db_error_inputs_are_refused_like_torch(info, device, capsys):
     name = info.optim_cls.__name__
     ours_cls = getattr(oft, name)
     errors = info.optim_error_inputs_func(device=device, dtype=torch.float32)
-    assert errors
+    if not errors:  # torch defines some classes' error inputs for the CPU only (NAdam's on CUDA: none)
+        pytest.skip(f"torch's optim_db has no error inputs for {name} on {device.type}")
     counts = collections.Counter()
     for err in errors:
         inp = err.optimizer_error_input
