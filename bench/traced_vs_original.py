@@ -37,7 +37,7 @@ import optfuse.torch as oft  # noqa: E402
 CLASSES = {
     "lion_pytorch.Lion": ("lion_pytorch", "Lion", dict(lr=1e-4, weight_decay=0.01)),
     "timm.optim.AdaBelief": ("timm.optim", "AdaBelief", dict(lr=1e-3, weight_decay=0.01)),
-    "pytorch_optimizer.Yogi": ("pytorch_optimizer", "Yogi", dict(lr=1e-3)),
+    "pytorch_optimizer.Yogi": ("pytorch_optimizer", "Yogi", dict(lr=1e-3, foreach=False)),
     "pytorch_optimizer.Adan": ("pytorch_optimizer", "Adan", dict(lr=1e-3, foreach=False)),
 }
 
