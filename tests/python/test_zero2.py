@@ -25,6 +25,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from test_zero import same_state  # noqa: E402  (one definition of the state comparison)
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -93,23 +94,6 @@ def ref_grads(model, ref_model, world):
 
 def equal_params(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-
-
-def same_state(a, b):
-    if a.keys() != b.keys():
-        return False
-    for i in a:
-        if a[i].keys() != b[i].keys():
-            return False
-        for k in a[i]:
-            x, y = a[i][k], b[i][k]
-            if torch.is_tensor(x) != torch.is_tensor(y):
-                return False
-            if torch.is_tensor(x) and not (x.shape == y.shape and torch.equal(x.cpu(), y.cpu())):
-                return False
-            if not torch.is_tensor(x) and x != y:
-                return False
-    return True
 
 
 def init(rank, world, init_file):

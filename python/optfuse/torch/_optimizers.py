@@ -221,7 +221,20 @@ class Lion(_OptionalWeightDecay):
         return {"lr": g["lr"], "b1": b1, "b2": b2, "weight_decay": g["weight_decay"]}
 
 
-class RAdam(_OptionalWeightDecay):
+class _DecoupledWeightDecayOption(_OptionalWeightDecay):
+    """RAdam's and NAdam's structure: maximize and decoupled_weight_decay, an option newer than some
+    state dicts (torch fills it in on load, and so do we)."""
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for g in self.param_groups:
+            g.setdefault("decoupled_weight_decay", False)
+
+    def _structure(self, g):
+        return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
+
+
+class RAdam(_DecoupledWeightDecayOption):
     __doc__ = "Fused drop-in for torch.optim.RAdam (same arguments and defaults)."
     _sig_keys = ("lr", "betas", "eps", "weight_decay", "maximize", "decoupled_weight_decay")
 
@@ -232,13 +245,6 @@ class RAdam(_OptionalWeightDecay):
         _reject("RAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.RAdam, kw))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for g in self.param_groups:  # as torch.optim.RAdam: state dicts of versions before the option
-            g.setdefault("decoupled_weight_decay", False)
-
-    def _structure(self, g):
-        return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
 
     def _make_chain(self, key, features, groups):
         maximize, decoupled = key
@@ -253,7 +259,7 @@ class RAdam(_OptionalWeightDecay):
         return {"lr": g["lr"], "b1": b1, "b2": b2, "eps": g["eps"], "weight_decay": g["weight_decay"]}
 
 
-class NAdam(_OptionalWeightDecay):
+class NAdam(_DecoupledWeightDecayOption):
     """Fused drop-in for torch.optim.NAdam (same arguments and defaults, state keys step, mu_product,
     exp_avg, exp_avg_sq). mu_product is a uniform state of the core (one value per internal group,
     committed on the device where the step is not skipped, so a GradScaler's skipped step keeps it);
@@ -268,13 +274,6 @@ class NAdam(_OptionalWeightDecay):
         _reject("NAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.NAdam, kw))
 
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        for g in self.param_groups:  # as torch.optim.NAdam: state dicts of versions before the option
-            g.setdefault("decoupled_weight_decay", False)
-
-    def _structure(self, g):
-        return (bool(g["maximize"]), bool(g["decoupled_weight_decay"]))
 
     def _make_chain(self, key, features, groups):
         maximize, decoupled = key
