@@ -337,3 +337,38 @@ def test_zero_on_cuda_over_nccl_is_bitwise_the_unsharded_optimizer(world, tmp_pa
         res = json.load(open(tmp_path / f"rank{r}.json"))
         for label, v in res.items():
             assert v == dict(params_equal=True, moved=True), (world, r, label, v)
+
+
+def mismatch_worker(rank, world, init_file, out_dir):
+    """Rank 1 wraps a model with one more output: ZeRO must fail on every rank, not hang."""
+    import optfuse
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    model = torch.nn.Linear(20, 30 + rank)
+    try:
+        ZeRO(oft.AdamW(model.parameters()))
+        message = "accepted"
+    except optfuse.OptfuseError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"message": message}, f)
+    dist.destroy_process_group()
+
+
+def test_parameters_that_differ_across_ranks_fail_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(mismatch_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("the ranks did not finish within 120 s (a hang)")
+    for r in range(2):
+        msg = json.load(open(tmp_path / f"rank{r}.json"))["message"]
+        assert msg.startswith("ZeRO: the ranks do not hold the same parameters"), (r, msg)
+        assert "(0, (30, 20), 'torch.float32')" in msg and "(0, (31, 20), 'torch.float32')" in msg, msg

@@ -128,10 +128,28 @@ class ZeRO(torch.optim.Optimizer):
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
+        self._check_same_parameters_on_every_rank()
         self._plan_shards()
         self._take_state_from(optimizer)
 
     # --- setup
+    def _check_same_parameters_on_every_rank(self):
+        """Every rank must shard the same parameters (groups, order, shapes, dtypes): otherwise the
+        shards, and every collective after them, would disagree (a hang or corrupted parameters). One
+        all_gather_object of a description; a mismatch fails on every rank, naming the first difference."""
+        mine = [(i, tuple(p.shape), str(p.dtype)) for i, g in enumerate(self.param_groups) for p in g["params"]]
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.process_group)
+        for r, theirs in enumerate(every):
+            if theirs == mine:
+                continue
+            at = next((k for k, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+            what = (f"parameter {at}: (group, shape, dtype) {mine[at] if at < len(mine) else 'none'} here, "
+                    f"{theirs[at] if at < len(theirs) else 'none'} on rank {r}")
+            raise OptfuseError(f"ZeRO: the ranks do not hold the same parameters ({len(mine)} here, {len(theirs)} on "
+                               f"rank {r}; first difference at {what}); every rank must wrap the same model's "
+                               "parameters in the same groups and order")
+
     def _plan_shards(self):
         params = [p for g in self.param_groups for p in g["params"]]
         for p in params:
