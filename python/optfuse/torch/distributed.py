@@ -183,6 +183,7 @@ class ZeRO(torch.optim.Optimizer):
         self._rows = {dtype: max(sum(pc.end - pc.begin for pc in pieces) for pieces in per_rank)
                       for dtype, per_rank in self._layout.items()}
         self._device = params[0].device if params else torch.device("cpu")
+        self._clip_coef = None  # clip_grad_norm_'s coefficient, applied by the next step
         if self.stage == 2:
             # This rank's averaged gradients (1/N of them): one flat buffer per dtype, and a view of it
             # per piece, which is the piece's .grad (the same tensors every step).
@@ -303,6 +304,10 @@ class ZeRO(torch.optim.Optimizer):
                 if g is not None and not g.is_contiguous():
                     raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)})")
                 pc.view.grad = None if g is None else g.view(-1)[pc.begin:pc.end]
+        if self._clip_coef is not None:  # clip_grad_norm_ since the last step: g * coef = g / (1 / coef)
+            scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=self._device)
+            grad_scale = (scale / self._clip_coef).reshape(())
+            self._clip_coef = None
         self._inner.step(grad_scale=grad_scale, found_inf=found_inf)
         self._all_gather_params()
         if self.stage == 2:
@@ -311,6 +316,37 @@ class ZeRO(torch.optim.Optimizer):
             for p in self._params():
                 p.grad = None
         return loss
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
+        """torch.nn.utils.clip_grad_norm_ for the sharded gradients: returns the total 2-norm of every
+        rank's gradients (each rank sums its shard in float64, then one all_reduce of that scalar) and
+        folds the clip into the next step() instead of rescaling the gradients now: the kernel, which
+        reads the gradients anyway, multiplies them by the coefficient (as 1 / grad_scale), so the
+        clip costs no pass over memory. Call it after backward (and after GradScaler.unscale_(zero),
+        if a scaler is used) and before step(); calling it twice before a step applies both clips.
+        The norm's summation order differs from torch's, so the coefficient agrees to rounding."""
+        if float(norm_type) != 2.0:
+            raise OptfuseError(f"ZeRO.clip_grad_norm_: norm_type={norm_type!r}; only the 2-norm is built")
+        with torch.no_grad():
+            if self.stage == 2:
+                if not self._reduced:
+                    self._reduce_gradients()
+                    self._reduced = True
+                parts = [buf for buf in self._grad_shards.values() if buf.numel()]
+            else:
+                parts = [pc.param.grad.reshape(-1)[pc.begin:pc.end] for pc in self._mine
+                         if pc.param.grad is not None and pc.end > pc.begin]
+            local = torch.zeros((), dtype=torch.float64, device=self._device)
+            for t in parts:
+                local += t.double().square().sum()
+            if self.world > 1:
+                dist.all_reduce(local, group=self.process_group)
+            total = local.sqrt().to(torch.float32)
+            if error_if_nonfinite and not bool(torch.isfinite(total)):  # a host sync, as in torch
+                raise RuntimeError("The total norm of order 2.0 for gradients is non-finite, so it cannot be clipped")
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        return total
 
     def reduce_gradients(self):
         """Stage 2: reduce-scatters the local gradients now (step() does it when this was not called
