@@ -435,3 +435,89 @@ def test_clip_grad_norm_is_folded_into_the_step(world, tmp_path):
             # (test_zero2 uses ZeRO's layout to be bitwise); 10 Adam steps carry that to ~2e-6
             bound = 1e-6 if stage == "stage1" else 1e-5
             assert v["norm"] <= 1e-6 and v["param"] <= bound, (world, r, stage, v)
+
+
+def traffic_worker(rank, world, init_file, out_dir):
+    """Bytes each rank puts on the wire per step, counted at the collectives ZeRO calls (ring
+    algorithms: an all-gather of an S-byte piece per rank sends (N-1) S, a reduce-scatter of an
+    N x S buffer sends (N-1) S, an all-reduce of B bytes 2 (N-1) / N B), against the model
+    stage 1: (N-1)/N * param bytes; stage 2: (N-1)/N * (grad bytes + param bytes), each rounded up to
+    the padded shard (the largest rank's), plus the few bytes of flags and partial sums."""
+    import torch.nn.functional as F
+    import optfuse.torch as oft
+    import optfuse.torch.distributed as zd
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    sent = {"bytes": 0}
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    real = dict(all_gather=dist.all_gather, reduce_scatter_tensor=dist.reduce_scatter_tensor, all_reduce=dist.all_reduce)
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        def all_gather(self, out, t, group=None):
+            sent["bytes"] += (world - 1) * nbytes(t)
+            return real["all_gather"](out, t, group=group)
+
+        def reduce_scatter_tensor(self, out, t, group=None):
+            sent["bytes"] += (world - 1) * nbytes(out)
+            return real["reduce_scatter_tensor"](out, t, group=group)
+
+        def all_reduce(self, t, op=dist.ReduceOp.SUM, group=None):
+            sent["bytes"] += 2 * (world - 1) * nbytes(t) // world
+            return real["all_reduce"](t, op=op, group=group)
+
+    out = {}
+    for stage in (1, 2):
+        model = make_model()
+        zero = zd.ZeRO(oft.AdamW(model.parameters(), lr=1e-2), stage=stage)
+        zd.dist = Counting()
+        try:
+            per_step = []
+            for s in range(3):
+                x, y = data(rank, s)
+                zero.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                if stage == 1:  # (DDP's all-reduce is DDP's traffic: averaged by hand, not counted)
+                    for p in model.parameters():
+                        real["all_reduce"](p.grad)
+                        p.grad /= world
+                before = sent["bytes"]
+                zero.step()
+                per_step.append(sent["bytes"] - before)
+        finally:
+            zd.dist = dist
+        padded = max(b - a for a, b in zero._ranges)  # elements of the largest shard
+        model_bytes = (world - 1) * padded * 4 * (1 if stage == 1 else 2)
+        out[f"stage{stage}"] = dict(per_step=per_step, model=model_bytes,
+                                    ideal=(world - 1) / world * 61040 * 4 * (1 if stage == 1 else 2))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bytes_per_step_follow_the_traffic_model(world, tmp_path):
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(traffic_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 200
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{world} ranks did not finish within 200 s")
+    for r in range(world):
+        res = json.load(open(tmp_path / f"rank{r}.json"))
+        for stage, v in res.items():
+            for b in v["per_step"]:
+                # the model's collectives, plus at most 1 KiB of flags (stage 2: which parameters have
+                # gradients) per step
+                assert v["model"] <= b <= v["model"] + 1024, (world, r, stage, v)
+            # padding to the largest shard costs at most one chunk (16384 elements) per other rank
+            assert v["model"] <= v["ideal"] + (world - 1) * 16384 * 4 * 2, (world, stage, v)
