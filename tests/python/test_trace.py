@@ -188,6 +188,13 @@ def _third_party():
         params = inspect.signature(cls).parameters
         kw = dict(lr=1e-2, **({"foreach": False} if "foreach" in params else {}))
         cases.append((f"timm.optim.{n}", lambda ps, c=cls, kw=kw: c(ps, **kw)))
+    if T is not None and hasattr(T, "Mars"):
+        # Mars clips c_t to unit norm (torch.norm: a per-tensor sum of squares). By default it runs AdamW
+        # on vectors and MARS on matrices, other math within one param group (refused, see
+        # test_mars_branches_on_dimensionality_refused_by_name); with optimize_1d every tensor is MARS
+        for mt in ("adamw", "lion"):
+            cases.append((f"timm.optim.Mars-optimize_1d-{mt}",
+                          lambda ps, mt=mt: T.Mars(ps, lr=1e-2, weight_decay=0.05, optimize_1d=True, mars_type=mt)))
     return cases
 
 
@@ -205,7 +212,7 @@ def test_third_party_optimizers_match_or_are_refused(device):
         try:
             ours = oft.fuse(make(model.parameters()))
         except optfuse.OptfuseError as e:
-            assert name.split(".")[-1] in str(e), str(e)  # the error names the class
+            assert name.split(".")[-1].split("-")[0] in str(e), str(e)  # the error names the class
             refused.append(name)
             continue
         ref = make(ref_model.parameters())
@@ -215,7 +222,8 @@ def test_third_party_optimizers_match_or_are_refused(device):
         matched.append(name)
     print(f"\ntraced and matching: {len(matched)} {matched}\nrefused: {len(refused)} {refused}")
     must_match = {"lion_pytorch.Lion", "timm.optim.Lion", "timm.optim.NAdamW", "timm.optim.AdamWLegacy",
-                  "timm.optim.Adan"}  # Adan: its step count is group['step']
+                  "timm.optim.Adan",  # Adan: its step count is group['step']
+                  "timm.optim.Mars-optimize_1d-adamw", "timm.optim.Mars-optimize_1d-lion"}  # norms
     assert must_match & {n for n, _ in THIRD_PARTY} <= set(matched)
 
 
@@ -530,3 +538,173 @@ def test_multi_tensor_ops_are_refused_not_dropped():
         p.grad = torch.ones_like(p)
     with pytest.raises(optfuse.OptfuseError, match="_foreach_mul_.*foreach=False"):
         oft.fuse(Decay(model.parameters(), 1e-7)).step()
+
+
+# --- reductions: norms and sums of squares of a whole parameter-shaped tensor are per-tensor sums of
+# squares in the IR (a reduce pass before the pass that uses them); everything else is refused by name.
+NORMS = {
+    "p.norm()": lambda x: x.norm(),
+    "p.norm(p=2)": lambda x: x.norm(p=2),
+    "torch.norm": lambda x: torch.norm(x),
+    "linalg.vector_norm": lambda x: torch.linalg.vector_norm(x),
+    "linalg.norm": lambda x: torch.linalg.norm(x),
+    "pow(2).sum().sqrt()": lambda x: x.pow(2).sum().sqrt(),
+    "(x*x).sum().sqrt()": lambda x: (x * x).sum().sqrt(),
+    "square().sum().sqrt()": lambda x: x.square().sum().sqrt(),
+    "flatten().norm()": lambda x: x.flatten().norm(),  # the same elements in another shape: the same norm
+    "reshape(-1).norm()": lambda x: x.reshape(-1).norm(),
+}
+
+
+class TrustRatio(torch.optim.Optimizer):
+    """LARS as people write it: ||p|| and ||g|| (0-dim tensors), a trust ratio guarded by torch.where."""
+
+    def __init__(self, params, lr=0.1, trust_coeff=0.01, weight_decay=1e-3, eps=1e-8, norm=NORMS["p.norm()"]):
+        super().__init__(params, dict(lr=lr, trust_coeff=trust_coeff, weight_decay=weight_decay, eps=eps))
+        self.norm = norm
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                w_norm, g_norm = self.norm(p), self.norm(p.grad)
+                ratio = torch.where(
+                    w_norm > 0,
+                    torch.where(g_norm > 0, g["trust_coeff"] * w_norm / (g_norm + g["weight_decay"] * w_norm + g["eps"]),
+                                1.0),
+                    1.0)
+                p.add_(p.grad.add(p, alpha=g["weight_decay"]).mul_(ratio), alpha=-g["lr"])
+
+
+class ClipPerParameter(torch.optim.Optimizer):
+    """SGD with momentum on each gradient clipped to a maximal norm: by a factor (branch-free) or by a
+    Python branch on the norm (traced both ways, a select on the per-tensor condition)."""
+
+    def __init__(self, params, lr=0.05, max_norm=1.0, momentum=0.9, branch=False):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm, momentum=momentum))
+        self.branch = branch
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                norm = p.grad.norm()
+                if self.branch:
+                    d = p.grad * (g["max_norm"] / norm) if norm > g["max_norm"] else p.grad
+                else:
+                    d = p.grad * torch.clamp(g["max_norm"] / (norm + 1e-6), max=1.0)
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = d.clone()
+                else:
+                    st["buf"].mul_(g["momentum"]).add_(d)
+                p.add_(st["buf"], alpha=-g["lr"])
+
+
+def _match(make, device, steps=STEPS):
+    model = make_model(device)
+    ref_model = twin(model)
+    ours = oft.fuse(make(model.parameters()))
+    assert type(ours).__name__ == "Traced"
+    ref = make(ref_model.parameters())
+    train(model, ours, steps, device)
+    train(ref_model, ref, steps, device)
+    assert rel_diff(model, make_model(device)) > 1e-3  # it trained: the comparison is not vacuous
+    return rel_diff(model, ref_model), ours
+
+
+@pytest.mark.parametrize("norm", list(NORMS), ids=list(NORMS))
+def test_trust_ratio_with_norms_matches(norm, device):
+    d, ours = _match(lambda ps: TrustRatio(ps, norm=NORMS[norm]), device)
+    assert d <= tol(device), d
+    text = oft.explain(ours)
+    assert "sum_squares/tensor" in text and "2 pass(es) over memory" in text, text  # a reduce pass, then the update
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["clamp", "python-branch"])
+def test_clip_per_parameter_matches(branch, device):
+    # max_norm between the gradients' norms (about 0.05 to 1 here): some tensors clip, some do not
+    d, _ = _match(lambda ps: ClipPerParameter(ps, max_norm=0.2, branch=branch), device)
+    assert d <= tol(device), d
+
+
+def _reducing(how):
+    class Reducing(_PlainLr):
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad * how(p, p.grad), alpha=-g["lr"])
+    return Reducing
+
+
+@pytest.mark.parametrize("how,match", [
+    (lambda p, g: 1 / (1 + g.norm(dim=0)), r"norm\(p='fro', dim=0\).*dim="),
+    (lambda p, g: 1 / (1 + g.norm(p=1)), r"norm\(p=1\).*only the 2-norm"),
+    (lambda p, g: 1 / (1 + torch.linalg.vector_norm(g, ord=1)), r"vector_norm\(ord=1\).*only the 2-norm"),
+    (lambda p, g: 1 / (1 + g.norm(p=float("inf"))), r"norm\(p=inf\).*max-of-abs"),
+    (lambda p, g: 1 / (1 + g.abs().max()), r"max\(\).*no max/min reduction"),
+    (lambda p, g: 1 / (1 + g.norm(2, None, True)), r"keepdim"),
+    (lambda p, g: 1 / (1 + torch.linalg.norm(p, ord=2)), r"linalg.norm\(ord=2\)"),  # spectral for matrices
+    (lambda p, g: 1 / (1 + g.sum()), r"sum\(\).*not a square"),
+    (lambda p, g: 1 / (1 + g.abs().sum()), r"sum\(\).*not a square"),
+    (lambda p, g: 1 / (1 + (g * g).sum(dim=0)), r"sum\(\) with dim=0"),
+    (lambda p, g: 1 / (1 + g.pow(2).mean()), r"mean\(\).*element count"),
+    (lambda p, g: 1 / (1 + g.norm().item()), r"\.item\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + float(g.norm())), r"float\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + g.norm().norm()), r"norm.*of a per-tensor value"),
+    (lambda p, g: 1 / (1 + torch.zeros_like(p).norm()), r"norm.*of a uniform value"),
+    # a part of the tensor: refused where it is cut, before any reduction sees it
+    (lambda p, g: 1 / (1 + g[0].norm()), r"indexing"),
+    (lambda p, g: 1 / (1 + g.narrow(0, 0, 1).norm()), r"'narrow'"),
+    (lambda p, g: 1 / (1 + g.unsqueeze(0).expand(3, *g.shape).norm()), r"'unsqueeze'"),
+], ids=["dim", "p=1", "vector_norm-ord=1", "p=inf", "abs-max", "keepdim", "linalg.norm-ord=2", "sum", "abs-sum",
+        "sum-dim", "mean", "item", "float", "norm-of-norm", "norm-of-filled", "slice", "narrow", "expand"])
+def test_reductions_refused_naming_the_construct(how, match):
+    model = make_model(torch.device("cpu"))
+    with pytest.raises(optfuse.OptfuseError, match=f"Reducing cannot be fused: .*{match}"):
+        oft.fuse(_reducing(how)(model.parameters()))
+
+
+def test_norm_of_a_view_is_the_whole_tensors_or_refused():
+    """A norm of a reshaped view is the norm of the same elements (matches); of a part (a slice, narrow,
+    a split) it is refused where the part is cut: the recorder knows tensors by their memory (pointer and
+    element count), so a part is never taken for the whole."""
+    for how in (lambda p: p.view(-1).norm(), lambda p: p.reshape(1, -1).norm(), lambda p: p.t().norm() if p.dim() == 2 else p.norm()):
+        cls = _reducing(lambda p, g, how=how: 1 / (1 + how(p)))
+        try:
+            d, _ = _match(cls, torch.device("cpu"))
+        except optfuse.OptfuseError as e:
+            assert "'t'" in str(e), str(e)  # a transpose is not recorded: refused, never a wrong norm
+            continue
+        assert d <= TOL, d
+    for how in (lambda p: p.view(-1)[:2].norm(), lambda p: p.chunk(2)[0].norm(), lambda p: p.flatten().split(1)[0].norm()):
+        with pytest.raises(optfuse.OptfuseError, match="indexing|several tensors"):
+            oft.fuse(_reducing(lambda p, g, how=how: 1 / (1 + how(p)))(make_model(torch.device("cpu")).parameters()))
+
+
+def test_mars_branches_on_dimensionality_refused_by_name():
+    T = pytest.importorskip("timm.optim")
+    if not hasattr(T, "Mars"):
+        pytest.skip("this timm has no Mars")
+    with pytest.raises(optfuse.OptfuseError, match="Mars's step is other math for a parameter of 1 dimension"):
+        oft.fuse(T.Mars(make_model(torch.device("cpu")).parameters(), lr=1e-2))
+
+
+def test_function_form_with_a_norm():
+    """fuse(fn) uses the same recorder: a function clipping each gradient by its norm matches it."""
+    def norm_clip(params, grads, *, lr, max_norm):
+        for p, g in zip(params, grads):
+            p.add_(g * torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0), alpha=-lr)
+
+    torch.manual_seed(0)
+    shapes = [(3, 5), (7,), (2, 2, 2), (40,)]
+    ps = [torch.randn(s) for s in shapes]
+    qs = [p.clone() for p in ps]
+    fused = oft.fuse(norm_clip)
+    for s in range(5):
+        gs = [torch.randn(p.shape) * (0.1 if (i + s) % 2 else 3.0) for i, p in enumerate(ps)]
+        fused(ps, [g.clone() for g in gs], lr=0.1, max_norm=2.0)
+        norm_clip(qs, gs, lr=0.1, max_norm=2.0)
+    for p, q in zip(ps, qs):
+        assert (p - q).abs().max().item() <= TOL * q.abs().max().item()

@@ -203,6 +203,17 @@ def _patched_math():
 # Ops whose result is a Python value that may carry an expression.
 _SCALAR_OUT = ("item", "__bool__", "__float__")
 
+# Reductions of a whole tensor: the 2-norm and the sum of a square are traced (per-tensor sum of squares);
+# the others are refused by name (Recorder.reduction).
+_REDUCTIONS = ("norm", "linalg_vector_norm", "linalg_norm", "sum", "nansum", "mean", "nanmean", "max", "min",
+               "amax", "amin", "prod", "std", "var", "logsumexp", "count_nonzero", "any", "all", "median",
+               "nanmedian", "linalg_matrix_norm", "frobenius_norm", "nuclear_norm")
+
+
+def _same_expr(a, b):
+    """Whether two expressions are one node (hash-consed: the same value; == would build a comparison)."""
+    return repr(a) == repr(b)
+
 
 class _Recorder(TorchFunctionMode):
     def __init__(self, b, paths):
@@ -210,8 +221,13 @@ class _Recorder(TorchFunctionMode):
         self.b, self.paths = b, paths
         # Tensors are known by their memory, not their Python object, so aliases (p.data, views of the
         # same elements) share one expression and an in-place op through one is seen through all.
-        self.expr = {}      # (data_ptr, numel) -> (expr, kind) kind: "element" | "uniform"
+        # kind: "element" (depends on the parameter, its gradient or its state, element by element),
+        # "tensor" (one value per tensor: a norm, or math on one) or "uniform" (hyperparameters, the step,
+        # constants; also a parameter-shaped tensor filled with one such value)
+        self.expr = {}      # (data_ptr, numel) -> (expr, kind)
         self.keep = []      # recorded tensors stay alive: their memory is not reused by others
+        self.square_of = {}  # key of a tensor that is y*y (y.square(), y**2, y.pow(2), y*y) -> y's expr
+        self.param_numel = None  # the probe parameter's element count (the first element tensor bound)
 
     @staticmethod
     def key(t):
@@ -219,7 +235,10 @@ class _Recorder(TorchFunctionMode):
 
     def bind(self, t, expr, kind):
         self.expr[self.key(t)] = (expr, kind)
+        self.square_of.pop(self.key(t), None)  # rebound (an in-place op): no longer the square it was
         self.keep.append(t)
+        if kind == "element" and self.param_numel is None:
+            self.param_numel = t.numel()
 
     def of(self, x, where):
         """(expr, kind) of an argument: a recorded tensor, a SymFloat, a number; else TraceError."""
@@ -273,12 +292,15 @@ class _Recorder(TorchFunctionMode):
         E = lambda i: self.of(args[i], where)  # noqa: E731
 
         def kind(*ks):
-            return "element" if "element" in ks else "uniform"
+            return "element" if "element" in ks else "tensor" if "tensor" in ks else "uniform"
 
         if base in ("item",):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f".item() of per-element data at {where}: data-dependent, not traceable")
+            if k == "tensor":
+                raise TraceError(f".item() of a per-tensor value (a norm, or math on one) at {where}: its value "
+                                 "is data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
         if base in ("bool",):
             e, k = E(0)
@@ -289,6 +311,9 @@ class _Recorder(TorchFunctionMode):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f"float() of per-element data at {where}")
+            if k == "tensor":
+                raise TraceError(f"float() of a per-tensor value (a norm, or math on one) at {where}: its value is "
+                                 "data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
         unary = {"sqrt": _core.sqrt, "rsqrt": _core.rsqrt, "exp": _core.exp, "log": _core.log, "abs": _core.abs,
                  "sign": _core.sign, "sgn": _core.sign, "neg": lambda x: -x, "negative": lambda x: -x,
@@ -305,7 +330,9 @@ class _Recorder(TorchFunctionMode):
                   "gt": lambda x, y: x > y, "lt": lambda x, y: x < y, "ge": lambda x, y: x >= y,
                   "le": lambda x, y: x <= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
                   "greater": lambda x, y: x > y, "less": lambda x, y: x < y}
-        if base in unary and len(args) >= 1:
+        if base in _REDUCTIONS and not (base in ("max", "min") and (len(args) >= 2 or "other" in kw)):
+            res, rk = self.reduction(name, base, args, kw, where)
+        elif base in unary and len(args) >= 1:
             e, k = E(0)
             res, rk = unary[base](e), k
         elif base in binary and (len(args) >= 2 or "other" in kw or "exponent" in kw):
@@ -343,18 +370,18 @@ class _Recorder(TorchFunctionMode):
             v = {"zeros_like": 0.0, "ones_like": 1.0, "empty_like": 0.0}.get(base)
             if base == "full_like":
                 v = kw.get("fill_value", args[1] if len(args) > 1 else None)
-            res, rk = self.of(v, where)[0], k
+            res, rk = self.of(v, where)  # every element the fill value: of its kind, not an element value
         elif base in ("zero", "fill"):
-            e, k = E(0)
-            res, rk = (b.constant(0.0) if base == "zero" else self.of(args[1], where)[0]), k
+            E(0)
+            res, rk = (b.constant(0.0), "uniform") if base == "zero" else self.of(arg(1, "value"), where)
         elif base == "copy_":
-            (_, kt), (src, ks) = E(0), E(1)
-            res, rk = src, kind(kt, ks)
+            E(0)
+            res, rk = E(1)
         elif base in ("to", "float", "type_as", "type") and torch.is_tensor(args[0]):
             e, k = E(0)
             res, rk = e, k
         elif base in ("tensor", "as_tensor", "scalar_tensor"):
-            res, rk = self.of(args[0], where)[0], "uniform"
+            res, rk = self.of(args[0], where)
         else:
             raise TraceError(f"torch op '{name}' at {where} is not traceable (no optfuse equivalent recorded)")
         target = args[0] if inplace or base == "copy_" else out
@@ -362,7 +389,101 @@ class _Recorder(TorchFunctionMode):
             self.bind(target, res, rk)
         if torch.is_tensor(out) and out is not target:
             self.bind(out, res, rk)
+        root = self.square_root(base, args, kw, rk, where)
+        if root is not None:  # y*y: a later .sum() of it is y's sum of squares
+            for t in (target, out):
+                if torch.is_tensor(t):
+                    self.square_of[self.key(t)] = root
         return out
+
+    def square_root(self, base, args, kw, rk, where):
+        """y's expression when this op computed y*y (y.square(), y**2, y.pow(2), y*y) of an element value y."""
+        if base not in ("square", "pow", "mul", "multiply") or rk != "element" or not args or not torch.is_tensor(args[0]):
+            return None
+        y = self.of(args[0], where)[0]
+        if base == "square":
+            return y
+        if base == "pow":
+            ex = args[1] if len(args) > 1 else kw.get("exponent")
+            # a plain number only: a SymFloat exponent is a hyperparameter (2 now, maybe not later)
+            return y if type(ex) in (int, float) and ex == 2 else None
+        if base in ("mul", "multiply"):
+            other = args[1] if len(args) > 1 else kw.get("other")
+            if torch.is_tensor(other) and self.key(other) in self.expr and _same_expr(self.of(other, where)[0], y):
+                return y
+        return None
+
+    def reduction(self, name, base, args, kw, where):
+        """A whole-tensor reduction the IR has (per tensor: the sum of squares), as (expr, "tensor");
+        TraceError naming the construct otherwise."""
+        x = args[0] if args else kw.get("input")
+
+        def arg(i, key, default=None):
+            return args[i] if len(args) > i else kw.get(key, default)
+
+        if base in ("norm", "linalg_vector_norm", "linalg_norm"):
+            pkey = "p" if base == "norm" else "ord"
+            p = arg(1, pkey, {"norm": "fro", "linalg_vector_norm": 2, "linalg_norm": None}[base])
+            dim, keepdim = arg(2, "dim"), arg(3, "keepdim", False)
+            call = "norm" if base == "norm" else f"torch.linalg.{base[len('linalg_'):]}"
+            what = f"{call}({pkey}={p!r}{'' if dim is None else f', dim={dim!r}'}) at {where}"
+        else:
+            p, dim = None, arg(1, "dim")
+            keepdim = arg(2, "keepdim", False)
+            what = f"{base}(){'' if dim is None else f' with dim={dim!r}'} at {where}"
+        if dim is not None:
+            raise TraceError(f"{what}: a reduction along dimensions (dim=) is not traceable; the IR reduces whole "
+                             "tensors only (a norm or sum of squares of the whole parameter-shaped tensor)")
+        if keepdim:
+            raise TraceError(f"{what}: keepdim=True is not traceable (reduce to a 0-dim value, keepdim=False)")
+        if kw.get("out") is not None:
+            raise TraceError(f"{what}: out= is not traceable")
+        dtype = kw.get("dtype")
+        if dtype is not None and dtype not in (torch.float32, torch.float64):
+            raise TraceError(f"{what}: dtype={dtype} is not traceable (float32 or float64 only)")
+        if base in ("max", "min", "amax", "amin"):
+            raise TraceError(f"{what}: the IR has no max/min reduction (the largest |x|, x.abs().max(), the inf-norm, "
+                             "is not a reduction optfuse has; per tensor it has the sum of squares)")
+        if base in ("mean", "nanmean"):
+            raise TraceError(f"{what}: a mean needs the tensor's element count, which the IR has not (per tensor "
+                             "it has the sum of squares: norm(), x.pow(2).sum())")
+        if base not in ("norm", "linalg_vector_norm", "linalg_norm", "sum"):
+            raise TraceError(f"{what}: a reduction the IR has not (per tensor it has the sum of squares: "
+                             "norm(), x.pow(2).sum())")
+        if not torch.is_tensor(x):
+            raise TraceError(f"{what}: not of a tensor")
+        if base != "sum":
+            nd = x.dim()
+            if isinstance(p, SymFloat):
+                raise TraceError(f"{what}: the norm's order comes from a hyperparameter or the step: not traceable "
+                                 "(only the 2-norm is a reduction the IR has)")
+            two = type(p) in (int, float) and p == 2
+            ok = {"norm": p in ("fro", None) or two,
+                  "linalg_vector_norm": two,
+                  # linalg.norm: None is the 2-norm of the flattened tensor; 'fro' is it of a matrix; ord=2 is
+                  # the vector 2-norm of a vector but the spectral norm of a matrix
+                  "linalg_norm": p is None or (p == "fro" and nd == 2) or (two and nd == 1)}[base]
+            if not ok:
+                inf = type(p) in (int, float) and p == float("inf")
+                why = ("the largest |x| (a max-of-abs reduction), which the IR has not" if inf else
+                       "a matrix norm (singular values), not traceable" if base == "linalg_norm" and nd == 2 else
+                       "only the 2-norm (the square root of a sum of squares) is a reduction the IR has")
+                raise TraceError(f"{what}: {why}")
+        e, k = self.of(x, where)
+        if k != "element":
+            raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
+                             "elements all hold one value per tensor or per step): the IR reduces per-element "
+                             "values only (the element count is not an input)")
+        if self.param_numel is not None and x.numel() != self.param_numel:
+            raise TraceError(f"{what}: of a tensor of shape {tuple(x.shape)} ({x.numel()} elements), not the "
+                             f"parameter's ({self.param_numel}): the IR reduces whole parameter-shaped tensors only")
+        if base == "sum":
+            root = self.square_of.get(self.key(x))
+            if root is None:
+                raise TraceError(f"{what}: the sum of a tensor that is not a square (x*x, x**2, x.pow(2), "
+                                 "x.square()); the only per-tensor sum the IR has is the sum of squares")
+            return _core.tensor_sum_of_squares(root), "tensor"
+        return _core.sqrt(_core.tensor_sum_of_squares(e)), "tensor"
 
 
 # --- from an optimizer to a rule
@@ -505,7 +626,7 @@ def _probe(opt, group, hyper_subst, shape=None):
     return probe, p
 
 
-def _trace_once(opt, group, layout, b, first, forced):
+def _trace_once(opt, group, layout, b, first, forced, shape=None):
     """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths)."""
     paths = _Paths(forced)
     hypers = hyper_values(group, layout.counters)
@@ -520,7 +641,7 @@ def _trace_once(opt, group, layout, b, first, forced):
             return type(v)(SymFloat(float(x), b.hyper(f"{k}_{i}"), paths) for i, x in enumerate(v))
         return v
 
-    probe, p = _probe(opt, group, subst)
+    probe, p = _probe(opt, group, subst, shape)
     for k in layout.counters:  # a fresh group has none yet: the optimizer's own code would start it at 0
         if k not in probe.param_groups[0]:
             probe.param_groups[0][k] = subst(k, 0)
@@ -573,9 +694,9 @@ def _trace_once(opt, group, layout, b, first, forced):
     return expr_of(p, "the parameter"), states, paths.seen
 
 
-def _explore(opt, group, layout, b, first):
+def _explore(opt, group, layout, b, first, shape=None):
     """Every path through the symbolic branches, merged with selects into one set of expressions."""
-    return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced))
+    return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced, shape))
 
 
 def explore_paths(trace_once, infeasible=(), skipped=None):
@@ -630,9 +751,32 @@ def traced_rule(opt, group):
     for k in layout.states:
         rule.state(k, 0.0)
 
+    traced_dim = len(probe_shape(group))
+    others = {}  # another dimensionality in the group -> a probe shape of it
+    for q in group.get("params", ()):
+        if q.dim() != traced_dim and q.dim() not in others:
+            others[q.dim()] = probe_shape(group, like=q)
+
     def update(b):
         p_first, s_first = _explore(opt, group, layout, b, True)
         p_later, s_later = _explore(opt, group, layout, b, False)
+        for nd, shape in sorted(others.items()):
+            # one rule per group: the step must be the same math for every dimensionality in it (timm's Mars
+            # runs AdamW on vectors, MARS on matrices; the IR cannot select on a tensor's dimensionality)
+            for first, (pe, se) in ((True, (p_first, s_first)), (False, (p_later, s_later))):
+                try:
+                    op, ost = _explore(opt, group, layout, b, first, shape)
+                except TraceError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    op, ost = None, {"?": e}
+                if (op is None or not _same_expr(op, pe) or set(ost) != set(se)
+                        or any(not _same_expr(ost[k], se[k]) for k in se)):
+                    raise TraceError(
+                        f"{type(opt).__name__}'s step is other math for a parameter of {nd} dimension(s) than for "
+                        f"one of {traced_dim} in the same param group (it branches on the parameter's shape): "
+                        "one param group is one traced rule, and the IR cannot select on a tensor's "
+                        "dimensionality; not traceable yet")
         is_first = b.step() == 1.0
         for k in layout.states:
             later = s_later.get(k, b.state(k))
