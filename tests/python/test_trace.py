@@ -312,6 +312,8 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
                   "pytorch_optimizer.AdaBelief", "pytorch_optimizer.AdaMax", "pytorch_optimizer.AdaPNM",
                   "pytorch_optimizer.Adan", "pytorch_optimizer.ADOPT", "pytorch_optimizer.Grams",
                   "pytorch_optimizer.PNM", "pytorch_optimizer.Yogi",
+                  # decides `momentum > 0` in init_group and again in its step: one outcome per condition
+                  "pytorch_optimizer.SignSGD",
                   "schedulefree.AdamWScheduleFree"}  # fuse() maps it to optfuse.torch.AdamWScheduleFree
     assert must_match & set(outcome) <= matched
     # schedulefree keeps lr_max and weight_sum (a running max / sum over the lr history) in the param
@@ -691,20 +693,63 @@ def test_mars_branches_on_dimensionality_refused_by_name():
         oft.fuse(T.Mars(make_model(torch.device("cpu")).parameters(), lr=1e-2))
 
 
-def test_function_form_with_a_norm():
-    """fuse(fn) uses the same recorder: a function clipping each gradient by its norm matches it."""
+def test_function_form_refuses_reductions():
+    """fuse(fn) traces lists of one tensor: a sum over the list would pass for a per-tensor one, so a
+    reduction is refused there (the class form runs other parameters beside the probe, see below)."""
     def norm_clip(params, grads, *, lr, max_norm):
         for p, g in zip(params, grads):
             p.add_(g * torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0), alpha=-lr)
 
-    torch.manual_seed(0)
-    shapes = [(3, 5), (7,), (2, 2, 2), (40,)]
-    ps = [torch.randn(s) for s in shapes]
-    qs = [p.clone() for p in ps]
-    fused = oft.fuse(norm_clip)
-    for s in range(5):
-        gs = [torch.randn(p.shape) * (0.1 if (i + s) % 2 else 3.0) for i, p in enumerate(ps)]
-        fused(ps, [g.clone() for g in gs], lr=0.1, max_norm=2.0)
-        norm_clip(qs, gs, lr=0.1, max_norm=2.0)
-    for p, q in zip(ps, qs):
-        assert (p - q).abs().max().item() <= TOL * q.abs().max().item()
+    with pytest.raises(optfuse.OptfuseError, match="'norm'.*a reduction"):
+        oft.fuse(norm_clip)([torch.randn(4)], [torch.randn(4)], lr=0.1, max_norm=1.0)
+
+
+class GlobalClipSGD(torch.optim.Optimizer):
+    """Clipping by the norm of all the group's gradients, summed in Python: per tensor it would be
+    another optimizer. The probe group's other parameters make the sum foreign: refused."""
+
+    def __init__(self, params, lr=0.1, max_norm=0.5, how="sum"):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            if self.how == "sum":
+                total = 0.0
+                for p in g["params"]:
+                    total = total + p.grad.pow(2).sum()
+                coef = torch.clamp(g["max_norm"] / (total.sqrt() + 1e-6), max=1.0)
+            elif self.how == "stack":
+                coef = g["max_norm"] / (torch.stack([p.grad.norm() for p in g["params"]]).norm() + 1e-6)
+            else:  # a Python branch on any parameter's norm
+                coef = 0.5 if any(p.grad.norm() > g["max_norm"] for p in g["params"]) else 1.0
+            for p in g["params"]:
+                p.add_(p.grad * coef, alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("how,match", [
+    ("sum", r"depends on other parameters' values \(first met at .*total = total \+ p.grad.pow\(2\).sum\(\)"),
+    ("stack", r"'stack'"),
+    ("branch", r"a Python branch on other parameters' values at .*any\(p.grad.norm\(\) > "),
+], ids=["python-sum", "stack", "branch-on-another"])
+def test_a_sum_over_the_groups_parameters_is_refused(how, match):
+    model = make_model(torch.device("cpu"))
+    with pytest.raises(optfuse.OptfuseError, match=f"GlobalClipSGD cannot be fused: .*{match}"):
+        oft.fuse(GlobalClipSGD(model.parameters(), how=how))
+
+
+class RmsScaled(_PlainLr):
+    """Scales by the gradient's RMS, norm / sqrt(numel): the probe's numel would be frozen."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.numel() > 0:  # a comparison on the count is allowed (a branch on the size)
+                    p.add_(p.grad / (p.grad.norm() / p.grad.numel() ** 0.5 + 1e-6), alpha=-g["lr"])
+
+
+def test_arithmetic_on_numel_is_refused():
+    with pytest.raises(optfuse.OptfuseError, match=r"RmsScaled cannot be fused: arithmetic on a tensor's element count"):
+        oft.fuse(RmsScaled(make_model(torch.device("cpu")).parameters()))

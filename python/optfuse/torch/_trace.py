@@ -36,16 +36,33 @@ def _where():
     return "?"
 
 
+class _Decision(tuple):
+    """(condition, outcome) of one Python branch, and whether it was on another parameter's values
+    (`foreign`, with the place `where`): such a branch must not change this parameter's update."""
+    foreign, where = False, "?"
+
+
 class _Paths:
-    """Outcomes of symbolic Python conditions: forced ones first, then the real value (recorded)."""
+    """Outcomes of symbolic Python conditions: forced ones first, then the real value (recorded).
+    With `memo`, a condition met again (the same expression: hash-consed) has the outcome it had, and is
+    not a new branch (the loop over a group's probe parameters meets each hyperparameter condition
+    once per parameter)."""
 
-    def __init__(self, forced):
+    def __init__(self, forced, memo=False):
         self.forced, self.seen = list(forced), []
+        self.memo = {} if memo else None
 
-    def decide(self, cond_expr, real):
+    def decide(self, cond_expr, real, foreign=False, where="?"):
+        key = (repr(cond_expr), foreign)
+        if self.memo is not None and key in self.memo:
+            return self.memo[key]
         i = len(self.seen)
         outcome = self.forced[i] if i < len(self.forced) else bool(real)
-        self.seen.append((cond_expr, outcome))
+        d = _Decision((cond_expr, outcome))
+        d.foreign, d.where = foreign, where
+        self.seen.append(d)
+        if self.memo is not None:
+            self.memo[key] = outcome
         return outcome
 
 
@@ -64,6 +81,8 @@ class SymFloat(float):
         return obj
 
     def _lift(self, other):
+        if isinstance(other, _ProbeCount):
+            other._refuse()
         if isinstance(other, SymFloat):
             return other.expr
         if isinstance(other, (int, float)) and not isinstance(other, bool):
@@ -160,6 +179,9 @@ def _symbolic_math(fn, exprfn):
     trace they are replaced by versions that keep a SymFloat symbolic (and give NaN, not an error, for
     values outside their domain, which paths explored for the other side of a branch may produce)."""
     def wrapped(x, *rest):
+        for v in (x,) + rest:
+            if isinstance(v, _ProbeCount):
+                v._refuse()
         if isinstance(x, SymFloat) or any(isinstance(r, SymFloat) for r in rest):
             xs = (x,) + rest
             try:
@@ -181,6 +203,9 @@ def _refusing_math(name, fn):
     """Every other math function returns a plain float, which would freeze a hyperparameter- or
     step-dependent argument into the trace at its value now: refused instead."""
     def wrapped(*xs):
+        for v in xs:
+            if isinstance(v, _ProbeCount) or isinstance(v, (list, tuple)) and any(isinstance(y, _ProbeCount) for y in v):
+                _ProbeCount._refuse(v if isinstance(v, _ProbeCount) else next(y for y in v if isinstance(y, _ProbeCount)))
         if any(isinstance(x, SymFloat) or (isinstance(x, (list, tuple)) and any(isinstance(y, SymFloat) for y in x))
                for x in xs):
             raise TraceError(f"math.{name} of a hyperparameter- or step-dependent value at {_where()}: no optfuse "
@@ -200,6 +225,28 @@ def _patched_math():
     return out
 
 
+class _ProbeCount(float):
+    """numel() of a probe tensor: the probe's element count, not the real parameter's. Comparisons are
+    allowed (a branch on the size, like one on the dimensionality); arithmetic is refused (an RMS,
+    norm / sqrt(numel), would freeze the probe's count into the trace: the IR has no element count).
+    A float subclass so that 1.0 / n and n ** 0.5 reach its own methods first."""
+
+    def __new__(cls, value, where):
+        obj = super().__new__(cls, value)
+        obj.where = where
+        return obj
+
+    def _refuse(self, *_):
+        raise TraceError(f"arithmetic on a tensor's element count (numel() at {self.where}) is not traceable: the "
+                         "count is the probe's, it would be frozen into the trace (the IR has no per-tensor "
+                         "element count)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __abs__ = _refuse
+    __float__ = __int__ = __round__ = __trunc__ = __divmod__ = __rdivmod__ = _refuse
+    __hash__ = float.__hash__
+
+
 # Ops whose result is a Python value that may carry an expression.
 _SCALAR_OUT = ("item", "__bool__", "__float__")
 
@@ -216,14 +263,20 @@ def _same_expr(a, b):
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, b, paths):
+    def __init__(self, b, paths, reductions=False):
         super().__init__()
         self.b, self.paths = b, paths
+        # Reductions are traced only where the trace also runs other parameters beside the probe (kind
+        # "foreign", see _trace_once): a sum over the group's parameters in Python must not pass for a
+        # per-tensor sum. The function form traces lists of one tensor: reductions stay refused there.
+        self.reductions = reductions
+        self.mixed_at = None  # where a value of another parameter first met this one's
         # Tensors are known by their memory, not their Python object, so aliases (p.data, views of the
         # same elements) share one expression and an in-place op through one is seen through all.
         # kind: "element" (depends on the parameter, its gradient or its state, element by element),
-        # "tensor" (one value per tensor: a norm, or math on one) or "uniform" (hyperparameters, the step,
-        # constants; also a parameter-shaped tensor filled with one such value)
+        # "tensor" (one value per tensor: a norm, or math on one), "uniform" (hyperparameters, the step,
+        # constants; also a parameter-shaped tensor filled with one such value) or "foreign" (depends on
+        # another parameter of the probe group: must not reach this parameter's update)
         self.expr = {}      # (data_ptr, numel) -> (expr, kind)
         self.keep = []      # recorded tensors stay alive: their memory is not reused by others
         self.square_of = {}  # key of a tensor that is y*y (y.square(), y**2, y.pow(2), y*y) -> y's expr
@@ -242,6 +295,8 @@ class _Recorder(TorchFunctionMode):
 
     def of(self, x, where):
         """(expr, kind) of an argument: a recorded tensor, a SymFloat, a number; else TraceError."""
+        if isinstance(x, _ProbeCount):
+            x._refuse()
         if isinstance(x, SymFloat):
             return x.expr, "uniform"
         if isinstance(x, bool):
@@ -270,6 +325,9 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if isinstance(out, (list, tuple)) and any(torch.is_tensor(o) for o in out):
             raise TraceError(f"torch op '{name}' at {_where()} returns several tensors: not traceable")
+        if name in ("numel", "nelement") and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
+                and self.expr[self.key(args[0])][1] != "uniform":
+            return _ProbeCount(out, _where())
         if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
             return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
         return self.record(name, args, kwargs, out, _where())
@@ -292,13 +350,17 @@ class _Recorder(TorchFunctionMode):
         E = lambda i: self.of(args[i], where)  # noqa: E731
 
         def kind(*ks):
+            if "foreign" in ks:
+                if ("element" in ks or "tensor" in ks) and self.mixed_at is None:
+                    self.mixed_at = where
+                return "foreign"
             return "element" if "element" in ks else "tensor" if "tensor" in ks else "uniform"
 
         if base in ("item",):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f".item() of per-element data at {where}: data-dependent, not traceable")
-            if k == "tensor":
+            if k in ("tensor", "foreign"):
                 raise TraceError(f".item() of a per-tensor value (a norm, or math on one) at {where}: its value "
                                  "is data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
@@ -306,12 +368,12 @@ class _Recorder(TorchFunctionMode):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f"Python control flow on per-element data (bool of a tensor) at {where}")
-            return self.paths.decide(e != 0.0, bool(out))
+            return self.paths.decide(e != 0.0, bool(out), foreign=k == "foreign", where=where)
         if base in ("float",) and name == "__float__":
             e, k = E(0)
             if k == "element":
                 raise TraceError(f"float() of per-element data at {where}")
-            if k == "tensor":
+            if k in ("tensor", "foreign"):
                 raise TraceError(f"float() of a per-tensor value (a norm, or math on one) at {where}: its value is "
                                  "data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
@@ -377,6 +439,8 @@ class _Recorder(TorchFunctionMode):
         elif base == "copy_":
             E(0)
             res, rk = E(1)
+            if rk == "foreign" and self.mixed_at is None and E(0)[1] in ("element", "tensor"):
+                self.mixed_at = where
         elif base in ("to", "float", "type_as", "type") and torch.is_tensor(args[0]):
             e, k = E(0)
             res, rk = e, k
@@ -398,7 +462,7 @@ class _Recorder(TorchFunctionMode):
 
     def square_root(self, base, args, kw, rk, where):
         """y's expression when this op computed y*y (y.square(), y**2, y.pow(2), y*y) of an element value y."""
-        if base not in ("square", "pow", "mul", "multiply") or rk != "element" or not args or not torch.is_tensor(args[0]):
+        if base not in ("square", "pow", "mul", "multiply") or rk not in ("element", "foreign") or not args or not torch.is_tensor(args[0]):
             return None
         y = self.of(args[0], where)[0]
         if base == "square":
@@ -417,6 +481,10 @@ class _Recorder(TorchFunctionMode):
         """A whole-tensor reduction the IR has (per tensor: the sum of squares), as (expr, "tensor");
         TraceError naming the construct otherwise."""
         x = args[0] if args else kw.get("input")
+        if not self.reductions:
+            raise TraceError(f"torch op '{name}' at {where} (a reduction) is not traceable here: the function "
+                             "form traces one tensor per list, where a sum over the list would pass for a "
+                             "per-tensor one")
 
         def arg(i, key, default=None):
             return args[i] if len(args) > i else kw.get(key, default)
@@ -470,7 +538,7 @@ class _Recorder(TorchFunctionMode):
                        "only the 2-norm (the square root of a sum of squares) is a reduction the IR has")
                 raise TraceError(f"{what}: {why}")
         e, k = self.of(x, where)
-        if k != "element":
+        if k not in ("element", "foreign"):
             raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
                              "elements all hold one value per tensor or per step): the IR reduces per-element "
                              "values only (the element count is not an input)")
@@ -482,8 +550,8 @@ class _Recorder(TorchFunctionMode):
             if root is None:
                 raise TraceError(f"{what}: the sum of a tensor that is not a square (x*x, x**2, x.pow(2), "
                                  "x.square()); the only per-tensor sum the IR has is the sum of squares")
-            return _core.tensor_sum_of_squares(root), "tensor"
-        return _core.sqrt(_core.tensor_sum_of_squares(e)), "tensor"
+            return _core.tensor_sum_of_squares(root), "tensor" if k == "element" else k
+        return _core.sqrt(_core.tensor_sum_of_squares(e)), "tensor" if k == "element" else k
 
 
 # --- from an optimizer to a rule
@@ -627,8 +695,11 @@ def _probe(opt, group, hyper_subst, shape=None):
 
 
 def _trace_once(opt, group, layout, b, first, forced, shape=None):
-    """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths)."""
-    paths = _Paths(forced)
+    """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths).
+    The probe group holds two other parameters, one before and one after the probe: their values are
+    "foreign", and any that reaches the probe's update (a sum or norm over the group's parameters in
+    Python, a branch on one) is refused, never taken as the probe's own."""
+    paths = _Paths(forced, memo=True)
     hypers = hyper_values(group, layout.counters)
 
     def subst(k, v):
@@ -645,24 +716,28 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
     for k in layout.counters:  # a fresh group has none yet: the optimizer's own code would start it at 0
         if k not in probe.param_groups[0]:
             probe.param_groups[0][k] = subst(k, 0)
-    rec = _Recorder(b, paths)
-    rec.bind(p, b.param(), "element")
-    p.grad = torch.randn_like(p)
-    rec.bind(p.grad, b.update(), "element")
-    if not first:
-        st = probe.state[p]
-        for k in layout.states:
-            t = torch.rand_like(p) + 0.5
-            rec.bind(t, b.state(k), "element")
-            st[k] = t
-        if layout.step_key is not None:
-            before = b.step() - 1.0
-            if layout.step_is_tensor:
-                t = torch.tensor(float(LATER_STEP))
-                rec.bind(t, before, "uniform")
-                st[layout.step_key] = t
-            else:
-                st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
+    rec = _Recorder(b, paths, reductions=True)
+    others = [torch.randn_like(p), torch.randn_like(p)]
+    probe.param_groups[0]["params"] = [others[0], p, others[1]]
+    for q, kind in ((p, "element"), (others[0], "foreign"), (others[1], "foreign")):
+        # the others have the probe's expressions (the same math on them is the same nodes) but their own kind
+        rec.bind(q, b.param(), kind)
+        q.grad = torch.randn_like(q)
+        rec.bind(q.grad, b.update(), kind)
+        if not first:
+            st = probe.state[q]
+            for k in layout.states:
+                t = torch.rand_like(q) + 0.5
+                rec.bind(t, b.state(k), kind)
+                st[k] = t
+            if layout.step_key is not None:
+                before = b.step() - 1.0
+                if layout.step_is_tensor:
+                    t = torch.tensor(float(LATER_STEP))
+                    rec.bind(t, before, "uniform")
+                    st[layout.step_key] = t
+                else:
+                    st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
     inputs = dict(probe.param_groups[0])
     patched = _patched_math()
     saved = {n: getattr(math, n) for n in patched}
@@ -688,6 +763,11 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
         hit = rec.expr.get(rec.key(t))
         if hit is None:
             raise TraceError(f"{what} after the step is a tensor the trace did not produce")
+        if hit[1] == "foreign":
+            raise TraceError(f"{what} after the step depends on other parameters' values (first met at "
+                             f"{rec.mixed_at or '?'}): a sum or norm over the group's parameters (global-norm "
+                             "clipping) is not traceable yet; a traced step must update each parameter from "
+                             "its own values")
         return hit[0]
 
     states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if k in st}
@@ -725,6 +805,14 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
                     skipped.append(cond)
                 continue
             op, ost = other
+            if getattr(seen[i], "foreign", False):
+                # a branch on another parameter's values: fine where it changes only that parameter's update
+                if not (_same_expr(op, param) and set(ost) == set(states)
+                        and all(_same_expr(ost[k], states[k]) for k in states)):
+                    raise TraceError(f"a Python branch on other parameters' values at {seen[i].where} changes "
+                                     "this parameter's update: not traceable (each parameter's update must "
+                                     "depend on its own values only)")
+                continue
             t_param, f_param = (param, op) if outcome else (op, param)
             param = _core.select(cond, t_param, f_param)
             merged = {}
