@@ -3,7 +3,9 @@ and checked against the original before use. In the loop users write (zero_grad,
 every step), 20 steps, float32, within 1e-6 of the parameter scale of the original (most are
 bitwise): hand-written ones (Lion, a warm-up that branches on the step, a torch.optim.Adam subclass
 with per-group flags, an lr scheduler, mid-training fuse, state dicts both ways), third-party ones
-from PyPI (lion-pytorch, timm.optim), and the refusals (clear errors naming what cannot be traced)."""
+from PyPI (lion-pytorch, timm.optim), and the refusals (clear errors naming what cannot be traced).
+Norms and sums of squares (per-tensor reductions: LARS-like trust ratios, per-parameter clipping) at
+the end, with the reductions refused and sums over the group's parameters refused."""
 import inspect
 import math
 

@@ -14,6 +14,11 @@ from the slots); the rule takes the first where step == 1. A Python branch on a 
 express (Python control flow on element data, .item() of element data, ops the recorder does not
 know, indexing, scalar states other than the step) raises TraceError naming the construct.
 fuse() then checks the traced optimizer against the original on probe parameters before using it.
+
+Reductions: a 2-norm or the sum of a square of a whole parameter-shaped tensor is the IR's per-tensor
+sum of squares (Recorder.reduction; the rest are refused by name). So that a sum over the group's
+parameters in Python is never taken for a per-tensor one, the probe group holds two other parameters
+whose values are "foreign": one reaching the probe's update is refused.
 """
 import math
 import traceback
