@@ -755,3 +755,20 @@ class RmsScaled(_PlainLr):
 def test_arithmetic_on_numel_is_refused():
     with pytest.raises(optfuse.OptfuseError, match=r"RmsScaled cannot be fused: arithmetic on a tensor's element count"):
         oft.fuse(RmsScaled(make_model(torch.device("cpu")).parameters()))
+
+
+class TwoLevelNorms(_PlainLr):
+    """A norm of a value made from a norm (a clipped gradient's norm): a second reduce pass."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                d = p.grad / p.grad.norm().clamp(min=0.3)
+                p.add_(d * (p.norm() / (d.norm() + 1e-3)), alpha=-g["lr"] * 0.1)
+
+
+def test_a_norm_of_a_value_made_from_a_norm_is_a_second_reduce_pass(device):
+    d, ours = _match(lambda ps: TwoLevelNorms(ps), device)
+    assert d <= tol(device), d
+    assert "3 pass(es) over memory" in oft.explain(ours)
