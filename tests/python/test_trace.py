@@ -656,6 +656,8 @@ def _reducing(how):
     (lambda p, g: 1 / (1 + g.pow(2).mean()), r"mean\(\).*element count"),
     (lambda p, g: 1 / (1 + g.norm().item()), r"\.item\(\) of a per-tensor value"),
     (lambda p, g: 1 / (1 + float(g.norm())), r"float\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + int(g.norm())), r"int\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + g.norm().tolist()), r"\.tolist\(\) of a per-tensor value"),
     (lambda p, g: 1 / (1 + g.norm().norm()), r"norm.*of a per-tensor value"),
     (lambda p, g: 1 / (1 + torch.zeros_like(p).norm()), r"norm.*of a uniform value"),
     # a part of the tensor: refused where it is cut, before any reduction sees it
@@ -663,7 +665,7 @@ def _reducing(how):
     (lambda p, g: 1 / (1 + g.narrow(0, 0, 1).norm()), r"'narrow'"),
     (lambda p, g: 1 / (1 + g.unsqueeze(0).expand(3, *g.shape).norm()), r"'unsqueeze'"),
 ], ids=["dim", "p=1", "vector_norm-ord=1", "p=inf", "abs-max", "keepdim", "linalg.norm-ord=2", "sum", "abs-sum",
-        "sum-dim", "mean", "item", "float", "norm-of-norm", "norm-of-filled", "slice", "narrow", "expand"])
+        "sum-dim", "mean", "item", "float", "int", "tolist", "norm-of-norm", "norm-of-filled", "slice", "narrow", "expand"])
 def test_reductions_refused_naming_the_construct(how, match):
     model = make_model(torch.device("cpu"))
     with pytest.raises(optfuse.OptfuseError, match=f"Reducing cannot be fused: .*{match}"):

@@ -254,6 +254,9 @@ class _ProbeCount(float):
 
 # Ops whose result is a Python value that may carry an expression.
 _SCALAR_OUT = ("item", "__bool__", "__float__")
+# Ops whose result is a plain Python value read from a tensor's data (it would be frozen): refused on a
+# recorded tensor unless that is a constant.
+_DATA_OUT = ("__int__", "__index__", "tolist", "numpy", "__complex__", "__format__", "__array__")
 
 # Reductions of a whole tensor: the 2-norm and the sum of a square are traced (per-tensor sum of squares);
 # the others are refused by name (Recorder.reduction).
@@ -333,6 +336,14 @@ class _Recorder(TorchFunctionMode):
         if name in ("numel", "nelement") and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
                 and self.expr[self.key(args[0])][1] != "uniform":
             return _ProbeCount(out, _where())
+        if name in _DATA_OUT and args and torch.is_tensor(args[0]):
+            hit = self.expr.get(self.key(args[0]))
+            if hit is not None and (hit[1] != "uniform" or "Const>" not in repr(hit[0])):
+                what = {"element": "per-element data", "uniform": "a hyperparameter- or step-dependent value"}.get(
+                    hit[1], "a per-tensor value (a norm, or math on one)")
+                shown = f"{name[2:-2]}()" if name.startswith("__") else f".{name}()"
+                raise TraceError(f"{shown} of {what} at {_where()}: its value now would be frozen into the trace "
+                                 "(data-dependent, or an input that changes)")
         if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
             return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
         return self.record(name, args, kwargs, out, _where())
