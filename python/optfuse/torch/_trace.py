@@ -256,7 +256,7 @@ class _ProbeCount(float):
 _SCALAR_OUT = ("item", "__bool__", "__float__")
 # Ops whose result is a plain Python value read from a tensor's data (it would be frozen): refused on a
 # recorded tensor unless that is a constant.
-_DATA_OUT = ("__int__", "__index__", "tolist", "numpy", "__complex__", "__format__", "__array__")
+_DATA_OUT = ("__int__", "__index__", "tolist", "numpy", "__complex__", "__array__")
 
 # Reductions of a whole tensor: the 2-norm and the sum of a square are traced (per-tensor sum of squares);
 # the others are refused by name (Recorder.reduction).
@@ -338,7 +338,7 @@ class _Recorder(TorchFunctionMode):
             return _ProbeCount(out, _where())
         if name in _DATA_OUT and args and torch.is_tensor(args[0]):
             hit = self.expr.get(self.key(args[0]))
-            if hit is not None and (hit[1] != "uniform" or "Const>" not in repr(hit[0])):
+            if hit is not None and (hit[1] != "uniform" or not repr(hit[0]).endswith(" const>")):
                 what = {"element": "per-element data", "uniform": "a hyperparameter- or step-dependent value"}.get(
                     hit[1], "a per-tensor value (a norm, or math on one)")
                 shown = f"{name[2:-2]}()" if name.startswith("__") else f".{name}()"
