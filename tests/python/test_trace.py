@@ -233,7 +233,10 @@ def test_third_party_optimizers_match_or_are_refused(device):
 # written against. Each is built with foreach=False where it takes it (the per-parameter path).
 PYTORCH_OPTIMIZER_CLASSES = ("AdaBelief", "AdaBound", "AdaDelta", "AdaMax", "AdaMod", "AdaNorm", "AdaPNM", "AdamP",
                              "AdamW", "Adan", "ADOPT", "AccSGD", "DiffGrad", "Grams", "Kate", "LaProp", "Lion",
-                             "MADGRAD", "PNM", "Prodigy", "QHAdam", "SGDW", "SignSGD", "Tiger", "Yogi")
+                             "MADGRAD", "PNM", "Prodigy", "QHAdam", "SGDW", "SignSGD", "Tiger", "Yogi",
+                             # norms (per-tensor sums of squares): Fromage's ||p|| and ||grad|| ratio; LARS
+                             # adapts matrices only (other math for vectors: refused by name)
+                             "Fromage", "LARS")
 SCHEDULEFREE_CLASSES = ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")
 
 
@@ -316,6 +319,7 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
                   "pytorch_optimizer.PNM", "pytorch_optimizer.Yogi",
                   # decides `momentum > 0` in init_group and again in its step: one outcome per condition
                   "pytorch_optimizer.SignSGD",
+                  "pytorch_optimizer.Fromage",  # Python branches on its norms: selects
                   "schedulefree.AdamWScheduleFree"}  # fuse() maps it to optfuse.torch.AdamWScheduleFree
     assert must_match & set(outcome) <= matched
     # schedulefree keeps lr_max and weight_sum (a running max / sum over the lr history) in the param
@@ -324,6 +328,8 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
         if f"schedulefree.{n}" in outcome and n != "AdamWScheduleFree":  # that one has a drop-in
             assert "writes group['lr_max']" in outcome[f"schedulefree.{n}"], outcome[f"schedulefree.{n}"]
     assert not [n for n, o in outcome.items() if "differs from the original" in o], outcome
+    if "pytorch_optimizer.LARS" in outcome:
+        assert "other math for a parameter of 1 dimension" in outcome["pytorch_optimizer.LARS"], outcome
 
 
 # A step count kept in the param group (pytorch-optimizer's group['step'], schedulefree's group['k']):
