@@ -3,7 +3,9 @@ and checked against the original before use. In the loop users write (zero_grad,
 every step), 20 steps, float32, within 1e-6 of the parameter scale of the original (most are
 bitwise): hand-written ones (Lion, a warm-up that branches on the step, a torch.optim.Adam subclass
 with per-group flags, an lr scheduler, mid-training fuse, state dicts both ways), third-party ones
-from PyPI (lion-pytorch, timm.optim), and the refusals (clear errors naming what cannot be traced)."""
+from PyPI (lion-pytorch, timm.optim), and the refusals (clear errors naming what cannot be traced).
+Norms and sums of squares (per-tensor reductions: LARS-like trust ratios, per-parameter clipping) at
+the end, with the reductions refused and sums over the group's parameters refused."""
 import inspect
 import math
 
@@ -202,6 +204,13 @@ def _third_party():
         params = inspect.signature(cls).parameters
         kw = dict(lr=1e-2, **({"foreach": False} if "foreach" in params else {}))
         cases.append((f"timm.optim.{n}", lambda ps, c=cls, kw=kw: c(ps, **kw)))
+    if T is not None and hasattr(T, "Mars"):
+        # Mars clips c_t to unit norm (torch.norm: a per-tensor sum of squares). By default it runs AdamW
+        # on vectors and MARS on matrices, other math within one param group (refused, see
+        # test_mars_branches_on_dimensionality_refused_by_name); with optimize_1d every tensor is MARS
+        for mt in ("adamw", "lion"):
+            cases.append((f"timm.optim.Mars-optimize_1d-{mt}",
+                          lambda ps, mt=mt: T.Mars(ps, lr=1e-2, weight_decay=0.05, optimize_1d=True, mars_type=mt)))
     return cases
 
 
@@ -219,7 +228,7 @@ def test_third_party_optimizers_match_or_are_refused(device):
         try:
             ours = oft.fuse(make(model.parameters()))
         except optfuse.OptfuseError as e:
-            assert name.split(".")[-1] in str(e), str(e)  # the error names the class
+            assert name.split(".")[-1].split("-")[0] in str(e), str(e)  # the error names the class
             refused.append(name)
             continue
         ref = make(ref_model.parameters())
@@ -229,7 +238,8 @@ def test_third_party_optimizers_match_or_are_refused(device):
         matched.append(name)
     print(f"\ntraced and matching: {len(matched)} {matched}\nrefused: {len(refused)} {refused}")
     must_match = {"lion_pytorch.Lion", "timm.optim.Lion", "timm.optim.NAdamW", "timm.optim.AdamWLegacy",
-                  "timm.optim.Adan"}  # Adan: its step count is group['step']
+                  "timm.optim.Adan",  # Adan: its step count is group['step']
+                  "timm.optim.Mars-optimize_1d-adamw", "timm.optim.Mars-optimize_1d-lion"}  # norms
     assert must_match & {n for n, _ in THIRD_PARTY} <= set(matched)
 
 
@@ -237,7 +247,10 @@ def test_third_party_optimizers_match_or_are_refused(device):
 # written against. Each is built with foreach=False where it takes it (the per-parameter path).
 PYTORCH_OPTIMIZER_CLASSES = ("AdaBelief", "AdaBound", "AdaDelta", "AdaMax", "AdaMod", "AdaNorm", "AdaPNM", "AdamP",
                              "AdamW", "Adan", "ADOPT", "AccSGD", "DiffGrad", "Grams", "Kate", "LaProp", "Lion",
-                             "MADGRAD", "PNM", "Prodigy", "QHAdam", "SGDW", "SignSGD", "Tiger", "Yogi")
+                             "MADGRAD", "PNM", "Prodigy", "QHAdam", "SGDW", "SignSGD", "Tiger", "Yogi",
+                             # norms (per-tensor sums of squares): Fromage's ||p|| and ||grad|| ratio; LARS
+                             # adapts matrices only (other math for vectors: refused by name)
+                             "Fromage", "LARS")
 SCHEDULEFREE_CLASSES = ("AdamWScheduleFree", "SGDScheduleFree", "RAdamScheduleFree")
 
 
@@ -318,6 +331,9 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
                   "pytorch_optimizer.AdaBelief", "pytorch_optimizer.AdaMax", "pytorch_optimizer.AdaPNM",
                   "pytorch_optimizer.Adan", "pytorch_optimizer.ADOPT", "pytorch_optimizer.Grams",
                   "pytorch_optimizer.PNM", "pytorch_optimizer.Yogi",
+                  # decides `momentum > 0` in init_group and again in its step: one outcome per condition
+                  "pytorch_optimizer.SignSGD",
+                  "pytorch_optimizer.Fromage",  # Python branches on its norms: selects
                   "schedulefree.AdamWScheduleFree"}  # fuse() maps it to optfuse.torch.AdamWScheduleFree
     assert must_match & set(outcome) <= matched
     # schedulefree keeps lr_max and weight_sum (a running max / sum over the lr history) in the param
@@ -326,6 +342,8 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
         if f"schedulefree.{n}" in outcome and n != "AdamWScheduleFree":  # that one has a drop-in
             assert "writes group['lr_max']" in outcome[f"schedulefree.{n}"], outcome[f"schedulefree.{n}"]
     assert not [n for n, o in outcome.items() if "differs from the original" in o], outcome
+    if "pytorch_optimizer.LARS" in outcome:
+        assert "other math for a parameter of 1 dimension" in outcome["pytorch_optimizer.LARS"], outcome
 
 
 # A step count kept in the param group (pytorch-optimizer's group['step'], schedulefree's group['k']):
@@ -544,3 +562,235 @@ def test_multi_tensor_ops_are_refused_not_dropped():
         p.grad = torch.ones_like(p)
     with pytest.raises(optfuse.OptfuseError, match="_foreach_mul_.*foreach=False"):
         oft.fuse(Decay(model.parameters(), 1e-7)).step()
+
+
+# --- reductions: norms and sums of squares of a whole parameter-shaped tensor are per-tensor sums of
+# squares in the IR (a reduce pass before the pass that uses them); everything else is refused by name.
+NORMS = {
+    "p.norm()": lambda x: x.norm(),
+    "p.norm(p=2)": lambda x: x.norm(p=2),
+    "torch.norm": lambda x: torch.norm(x),
+    "linalg.vector_norm": lambda x: torch.linalg.vector_norm(x),
+    "linalg.norm": lambda x: torch.linalg.norm(x),
+    "pow(2).sum().sqrt()": lambda x: x.pow(2).sum().sqrt(),
+    "(x*x).sum().sqrt()": lambda x: (x * x).sum().sqrt(),
+    "square().sum().sqrt()": lambda x: x.square().sum().sqrt(),
+    "flatten().norm()": lambda x: x.flatten().norm(),  # the same elements in another shape: the same norm
+    "reshape(-1).norm()": lambda x: x.reshape(-1).norm(),
+}
+
+
+class TrustRatio(torch.optim.Optimizer):
+    """LARS as people write it: ||p|| and ||g|| (0-dim tensors), a trust ratio guarded by torch.where."""
+
+    def __init__(self, params, lr=0.1, trust_coeff=0.01, weight_decay=1e-3, eps=1e-8, norm=NORMS["p.norm()"]):
+        super().__init__(params, dict(lr=lr, trust_coeff=trust_coeff, weight_decay=weight_decay, eps=eps))
+        self.norm = norm
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                w_norm, g_norm = self.norm(p), self.norm(p.grad)
+                ratio = torch.where(
+                    w_norm > 0,
+                    torch.where(g_norm > 0, g["trust_coeff"] * w_norm / (g_norm + g["weight_decay"] * w_norm + g["eps"]),
+                                1.0),
+                    1.0)
+                p.add_(p.grad.add(p, alpha=g["weight_decay"]).mul_(ratio), alpha=-g["lr"])
+
+
+class ClipPerParameter(torch.optim.Optimizer):
+    """SGD with momentum on each gradient clipped to a maximal norm: by a factor (branch-free) or by a
+    Python branch on the norm (traced both ways, a select on the per-tensor condition)."""
+
+    def __init__(self, params, lr=0.05, max_norm=1.0, momentum=0.9, branch=False):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm, momentum=momentum))
+        self.branch = branch
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                norm = p.grad.norm()
+                if self.branch:
+                    d = p.grad * (g["max_norm"] / norm) if norm > g["max_norm"] else p.grad
+                else:
+                    d = p.grad * torch.clamp(g["max_norm"] / (norm + 1e-6), max=1.0)
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = d.clone()
+                else:
+                    st["buf"].mul_(g["momentum"]).add_(d)
+                p.add_(st["buf"], alpha=-g["lr"])
+
+
+def _match(make, device, steps=STEPS):
+    model = make_model(device)
+    ref_model = twin(model)
+    ours = oft.fuse(make(model.parameters()))
+    assert type(ours).__name__ == "Traced"
+    ref = make(ref_model.parameters())
+    train(model, ours, steps, device)
+    train(ref_model, ref, steps, device)
+    assert rel_diff(model, make_model(device)) > 1e-3  # it trained: the comparison is not vacuous
+    return rel_diff(model, ref_model), ours
+
+
+@pytest.mark.parametrize("norm", list(NORMS), ids=list(NORMS))
+def test_trust_ratio_with_norms_matches(norm, device):
+    d, ours = _match(lambda ps: TrustRatio(ps, norm=NORMS[norm]), device)
+    assert d <= tol(device), d
+    text = oft.explain(ours)
+    assert "sum_squares/tensor" in text and "2 pass(es) over memory" in text, text  # a reduce pass, then the update
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["clamp", "python-branch"])
+def test_clip_per_parameter_matches(branch, device):
+    # max_norm between the gradients' norms (about 0.05 to 1 here): some tensors clip, some do not
+    d, _ = _match(lambda ps: ClipPerParameter(ps, max_norm=0.2, branch=branch), device)
+    assert d <= tol(device), d
+
+
+def _reducing(how):
+    class Reducing(_PlainLr):
+        @torch.no_grad()
+        def step(self):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad * how(p, p.grad), alpha=-g["lr"])
+    return Reducing
+
+
+@pytest.mark.parametrize("how,match", [
+    (lambda p, g: 1 / (1 + g.norm(dim=0)), r"norm\(p='fro', dim=0\).*dim="),
+    (lambda p, g: 1 / (1 + g.norm(p=1)), r"norm\(p=1\).*only the 2-norm"),
+    (lambda p, g: 1 / (1 + torch.linalg.vector_norm(g, ord=1)), r"vector_norm\(ord=1\).*only the 2-norm"),
+    (lambda p, g: 1 / (1 + g.norm(p=float("inf"))), r"norm\(p=inf\).*max-of-abs"),
+    (lambda p, g: 1 / (1 + g.abs().max()), r"max\(\).*no max/min reduction"),
+    (lambda p, g: 1 / (1 + g.norm(2, None, True)), r"keepdim"),
+    (lambda p, g: 1 / (1 + torch.linalg.norm(p, ord=2)), r"linalg.norm\(ord=2\)"),  # spectral for matrices
+    (lambda p, g: 1 / (1 + g.sum()), r"sum\(\).*not a square"),
+    (lambda p, g: 1 / (1 + g.abs().sum()), r"sum\(\).*not a square"),
+    (lambda p, g: 1 / (1 + (g * g).sum(dim=0)), r"sum\(\) with dim=0"),
+    (lambda p, g: 1 / (1 + g.pow(2).mean()), r"mean\(\).*element count"),
+    (lambda p, g: 1 / (1 + g.norm().item()), r"\.item\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + float(g.norm())), r"float\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + int(g.norm())), r"int\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + g.norm().tolist()), r"\.tolist\(\) of a per-tensor value"),
+    (lambda p, g: 1 / (1 + g.norm().norm()), r"norm.*of a per-tensor value"),
+    (lambda p, g: 1 / (1 + torch.zeros_like(p).norm()), r"norm.*of a uniform value"),
+    # a part of the tensor: refused where it is cut, before any reduction sees it
+    (lambda p, g: 1 / (1 + g[0].norm()), r"indexing"),
+    (lambda p, g: 1 / (1 + g.narrow(0, 0, 1).norm()), r"'narrow'"),
+    (lambda p, g: 1 / (1 + g.unsqueeze(0).expand(3, *g.shape).norm()), r"'unsqueeze'"),
+], ids=["dim", "p=1", "vector_norm-ord=1", "p=inf", "abs-max", "keepdim", "linalg.norm-ord=2", "sum", "abs-sum",
+        "sum-dim", "mean", "item", "float", "int", "tolist", "norm-of-norm", "norm-of-filled", "slice", "narrow", "expand"])
+def test_reductions_refused_naming_the_construct(how, match):
+    model = make_model(torch.device("cpu"))
+    with pytest.raises(optfuse.OptfuseError, match=f"Reducing cannot be fused: .*{match}"):
+        oft.fuse(_reducing(how)(model.parameters()))
+
+
+def test_norm_of_a_view_is_the_whole_tensors_or_refused():
+    """A norm of a reshaped view is the norm of the same elements (matches); of a part (a slice, narrow,
+    a split) it is refused where the part is cut: the recorder knows tensors by their memory (pointer and
+    element count), so a part is never taken for the whole."""
+    for how in (lambda p: p.view(-1).norm(), lambda p: p.reshape(1, -1).norm(), lambda p: p.t().norm() if p.dim() == 2 else p.norm()):
+        cls = _reducing(lambda p, g, how=how: 1 / (1 + how(p)))
+        try:
+            d, _ = _match(cls, torch.device("cpu"))
+        except optfuse.OptfuseError as e:
+            assert "'t'" in str(e), str(e)  # a transpose is not recorded: refused, never a wrong norm
+            continue
+        assert d <= TOL, d
+    for how in (lambda p: p.view(-1)[:2].norm(), lambda p: p.chunk(2)[0].norm(), lambda p: p.flatten().split(1)[0].norm()):
+        with pytest.raises(optfuse.OptfuseError, match="indexing|several tensors"):
+            oft.fuse(_reducing(lambda p, g, how=how: 1 / (1 + how(p)))(make_model(torch.device("cpu")).parameters()))
+
+
+def test_mars_branches_on_dimensionality_refused_by_name():
+    T = pytest.importorskip("timm.optim")
+    if not hasattr(T, "Mars"):
+        pytest.skip("this timm has no Mars")
+    with pytest.raises(optfuse.OptfuseError, match="Mars's step is other math for a parameter of 1 dimension"):
+        oft.fuse(T.Mars(make_model(torch.device("cpu")).parameters(), lr=1e-2))
+
+
+def test_function_form_refuses_reductions():
+    """fuse(fn) traces lists of one tensor: a sum over the list would pass for a per-tensor one, so a
+    reduction is refused there (the class form runs other parameters beside the probe, see below)."""
+    def norm_clip(params, grads, *, lr, max_norm):
+        for p, g in zip(params, grads):
+            p.add_(g * torch.clamp(max_norm / (g.norm() + 1e-6), max=1.0), alpha=-lr)
+
+    with pytest.raises(optfuse.OptfuseError, match="'norm'.*a reduction"):
+        oft.fuse(norm_clip)([torch.randn(4)], [torch.randn(4)], lr=0.1, max_norm=1.0)
+
+
+class GlobalClipSGD(torch.optim.Optimizer):
+    """Clipping by the norm of all the group's gradients, summed in Python: per tensor it would be
+    another optimizer. The probe group's other parameters make the sum foreign: refused."""
+
+    def __init__(self, params, lr=0.1, max_norm=0.5, how="sum"):
+        super().__init__(params, dict(lr=lr, max_norm=max_norm))
+        self.how = how
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            if self.how == "sum":
+                total = 0.0
+                for p in g["params"]:
+                    total = total + p.grad.pow(2).sum()
+                coef = torch.clamp(g["max_norm"] / (total.sqrt() + 1e-6), max=1.0)
+            elif self.how == "stack":
+                coef = g["max_norm"] / (torch.stack([p.grad.norm() for p in g["params"]]).norm() + 1e-6)
+            else:  # a Python branch on any parameter's norm
+                coef = 0.5 if any(p.grad.norm() > g["max_norm"] for p in g["params"]) else 1.0
+            for p in g["params"]:
+                p.add_(p.grad * coef, alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("how,match", [
+    ("sum", r"depends on other parameters' values \(first met at .*total = total \+ p.grad.pow\(2\).sum\(\)"),
+    ("stack", r"'stack'"),
+    ("branch", r"a Python branch on other parameters' values at .*any\(p.grad.norm\(\) > "),
+], ids=["python-sum", "stack", "branch-on-another"])
+def test_a_sum_over_the_groups_parameters_is_refused(how, match):
+    model = make_model(torch.device("cpu"))
+    with pytest.raises(optfuse.OptfuseError, match=f"GlobalClipSGD cannot be fused: .*{match}"):
+        oft.fuse(GlobalClipSGD(model.parameters(), how=how))
+
+
+class RmsScaled(_PlainLr):
+    """Scales by the gradient's RMS, norm / sqrt(numel): the probe's numel would be frozen."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.numel() > 0:  # a comparison on the count is allowed (a branch on the size)
+                    p.add_(p.grad / (p.grad.norm() / p.grad.numel() ** 0.5 + 1e-6), alpha=-g["lr"])
+
+
+def test_arithmetic_on_numel_is_refused():
+    with pytest.raises(optfuse.OptfuseError, match=r"RmsScaled cannot be fused: arithmetic on a tensor's element count"):
+        oft.fuse(RmsScaled(make_model(torch.device("cpu")).parameters()))
+
+
+class TwoLevelNorms(_PlainLr):
+    """A norm of a value made from a norm (a clipped gradient's norm): a second reduce pass."""
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                d = p.grad / p.grad.norm().clamp(min=0.3)
+                p.add_(d * (p.norm() / (d.norm() + 1e-3)), alpha=-g["lr"] * 0.1)
+
+
+def test_a_norm_of_a_value_made_from_a_norm_is_a_second_reduce_pass(device):
+    d, ours = _match(lambda ps: TwoLevelNorms(ps), device)
+    assert d <= tol(device), d
+    assert "3 pass(es) over memory" in oft.explain(ours)

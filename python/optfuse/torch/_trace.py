@@ -14,6 +14,11 @@ from the slots); the rule takes the first where step == 1. A Python branch on a 
 express (Python control flow on element data, .item() of element data, ops the recorder does not
 know, indexing, scalar states other than the step) raises TraceError naming the construct.
 fuse() then checks the traced optimizer against the original on probe parameters before using it.
+
+Reductions: a 2-norm or the sum of a square of a whole parameter-shaped tensor is the IR's per-tensor
+sum of squares (Recorder.reduction; the rest are refused by name). So that a sum over the group's
+parameters in Python is never taken for a per-tensor one, the probe group holds two other parameters
+whose values are "foreign": one reaching the probe's update is refused.
 """
 import math
 import traceback
@@ -36,16 +41,33 @@ def _where():
     return "?"
 
 
+class _Decision(tuple):
+    """(condition, outcome) of one Python branch, and whether it was on another parameter's values
+    (`foreign`, with the place `where`): such a branch must not change this parameter's update."""
+    foreign, where = False, "?"
+
+
 class _Paths:
-    """Outcomes of symbolic Python conditions: forced ones first, then the real value (recorded)."""
+    """Outcomes of symbolic Python conditions: forced ones first, then the real value (recorded).
+    With `memo`, a condition met again (the same expression: hash-consed) has the outcome it had, and is
+    not a new branch (the loop over a group's probe parameters meets each hyperparameter condition
+    once per parameter)."""
 
-    def __init__(self, forced):
+    def __init__(self, forced, memo=False):
         self.forced, self.seen = list(forced), []
+        self.memo = {} if memo else None
 
-    def decide(self, cond_expr, real):
+    def decide(self, cond_expr, real, foreign=False, where="?"):
+        key = (repr(cond_expr), foreign)
+        if self.memo is not None and key in self.memo:
+            return self.memo[key]
         i = len(self.seen)
         outcome = self.forced[i] if i < len(self.forced) else bool(real)
-        self.seen.append((cond_expr, outcome))
+        d = _Decision((cond_expr, outcome))
+        d.foreign, d.where = foreign, where
+        self.seen.append(d)
+        if self.memo is not None:
+            self.memo[key] = outcome
         return outcome
 
 
@@ -64,6 +86,8 @@ class SymFloat(float):
         return obj
 
     def _lift(self, other):
+        if isinstance(other, _ProbeCount):
+            other._refuse()
         if isinstance(other, SymFloat):
             return other.expr
         if isinstance(other, (int, float)) and not isinstance(other, bool):
@@ -160,6 +184,9 @@ def _symbolic_math(fn, exprfn):
     trace they are replaced by versions that keep a SymFloat symbolic (and give NaN, not an error, for
     values outside their domain, which paths explored for the other side of a branch may produce)."""
     def wrapped(x, *rest):
+        for v in (x,) + rest:
+            if isinstance(v, _ProbeCount):
+                v._refuse()
         if isinstance(x, SymFloat) or any(isinstance(r, SymFloat) for r in rest):
             xs = (x,) + rest
             try:
@@ -181,6 +208,9 @@ def _refusing_math(name, fn):
     """Every other math function returns a plain float, which would freeze a hyperparameter- or
     step-dependent argument into the trace at its value now: refused instead."""
     def wrapped(*xs):
+        for v in xs:
+            if isinstance(v, _ProbeCount) or isinstance(v, (list, tuple)) and any(isinstance(y, _ProbeCount) for y in v):
+                _ProbeCount._refuse(v if isinstance(v, _ProbeCount) else next(y for y in v if isinstance(y, _ProbeCount)))
         if any(isinstance(x, SymFloat) or (isinstance(x, (list, tuple)) and any(isinstance(y, SymFloat) for y in x))
                for x in xs):
             raise TraceError(f"math.{name} of a hyperparameter- or step-dependent value at {_where()}: no optfuse "
@@ -200,18 +230,65 @@ def _patched_math():
     return out
 
 
+class _ProbeCount(float):
+    """numel() of a probe tensor: the probe's element count, not the real parameter's. Comparisons are
+    allowed (a branch on the size, like one on the dimensionality); arithmetic is refused (an RMS,
+    norm / sqrt(numel), would freeze the probe's count into the trace: the IR has no element count).
+    A float subclass so that 1.0 / n and n ** 0.5 reach its own methods first."""
+
+    def __new__(cls, value, where):
+        obj = super().__new__(cls, value)
+        obj.where = where
+        return obj
+
+    def _refuse(self, *_):
+        raise TraceError(f"arithmetic on a tensor's element count (numel() at {self.where}) is not traceable: the "
+                         "count is the probe's, it would be frozen into the trace (the IR has no per-tensor "
+                         "element count)")
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __pow__ = __rpow__ = __neg__ = __abs__ = _refuse
+    __float__ = __int__ = __round__ = __trunc__ = __divmod__ = __rdivmod__ = _refuse
+    __hash__ = float.__hash__
+
+
 # Ops whose result is a Python value that may carry an expression.
 _SCALAR_OUT = ("item", "__bool__", "__float__")
+# Ops whose result is a plain Python value read from a tensor's data (it would be frozen): refused on a
+# recorded tensor unless that is a constant.
+_DATA_OUT = ("__int__", "__index__", "tolist", "numpy", "__complex__", "__array__")
+
+# Reductions of a whole tensor: the 2-norm and the sum of a square are traced (per-tensor sum of squares);
+# the others are refused by name (Recorder.reduction).
+_REDUCTIONS = ("norm", "linalg_vector_norm", "linalg_norm", "sum", "nansum", "mean", "nanmean", "max", "min",
+               "amax", "amin", "prod", "std", "var", "logsumexp", "count_nonzero", "any", "all", "median",
+               "nanmedian", "linalg_matrix_norm", "frobenius_norm", "nuclear_norm")
+
+
+def _same_expr(a, b):
+    """Whether two expressions are one node (hash-consed: the same value; == would build a comparison)."""
+    return repr(a) == repr(b)
 
 
 class _Recorder(TorchFunctionMode):
-    def __init__(self, b, paths):
+    def __init__(self, b, paths, reductions=False):
         super().__init__()
         self.b, self.paths = b, paths
+        # Reductions are traced only where the trace also runs other parameters beside the probe (kind
+        # "foreign", see _trace_once): a sum over the group's parameters in Python must not pass for a
+        # per-tensor sum. The function form traces lists of one tensor: reductions stay refused there.
+        self.reductions = reductions
+        self.mixed_at = None  # where a value of another parameter first met this one's
         # Tensors are known by their memory, not their Python object, so aliases (p.data, views of the
         # same elements) share one expression and an in-place op through one is seen through all.
-        self.expr = {}      # (data_ptr, numel) -> (expr, kind) kind: "element" | "uniform"
+        # kind: "element" (depends on the parameter, its gradient or its state, element by element),
+        # "tensor" (one value per tensor: a norm, or math on one), "uniform" (hyperparameters, the step,
+        # constants; also a parameter-shaped tensor filled with one such value) or "foreign" (depends on
+        # another parameter of the probe group: must not reach this parameter's update)
+        self.expr = {}      # (data_ptr, numel) -> (expr, kind)
         self.keep = []      # recorded tensors stay alive: their memory is not reused by others
+        self.square_of = {}  # key of a tensor that is y*y (y.square(), y**2, y.pow(2), y*y) -> y's expr
+        self.param_numel = None  # the probe parameter's element count (the first element tensor bound)
 
     @staticmethod
     def key(t):
@@ -219,10 +296,15 @@ class _Recorder(TorchFunctionMode):
 
     def bind(self, t, expr, kind):
         self.expr[self.key(t)] = (expr, kind)
+        self.square_of.pop(self.key(t), None)  # rebound (an in-place op): no longer the square it was
         self.keep.append(t)
+        if kind == "element" and self.param_numel is None:
+            self.param_numel = t.numel()
 
     def of(self, x, where):
         """(expr, kind) of an argument: a recorded tensor, a SymFloat, a number; else TraceError."""
+        if isinstance(x, _ProbeCount):
+            x._refuse()
         if isinstance(x, SymFloat):
             return x.expr, "uniform"
         if isinstance(x, bool):
@@ -251,6 +333,17 @@ class _Recorder(TorchFunctionMode):
         out = func(*args, **kwargs)
         if isinstance(out, (list, tuple)) and any(torch.is_tensor(o) for o in out):
             raise TraceError(f"torch op '{name}' at {_where()} returns several tensors: not traceable")
+        if name in ("numel", "nelement") and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
+                and self.expr[self.key(args[0])][1] != "uniform":
+            return _ProbeCount(out, _where())
+        if name in _DATA_OUT and args and torch.is_tensor(args[0]):
+            hit = self.expr.get(self.key(args[0]))
+            if hit is not None and (hit[1] != "uniform" or not repr(hit[0]).endswith(" const>")):
+                what = {"element": "per-element data", "uniform": "a hyperparameter- or step-dependent value"}.get(
+                    hit[1], "a per-tensor value (a norm, or math on one)")
+                shown = f"{name[2:-2]}()" if name.startswith("__") else f".{name}()"
+                raise TraceError(f"{shown} of {what} at {_where()}: its value now would be frozen into the trace "
+                                 "(data-dependent, or an input that changes)")
         if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
             return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
         return self.record(name, args, kwargs, out, _where())
@@ -273,22 +366,32 @@ class _Recorder(TorchFunctionMode):
         E = lambda i: self.of(args[i], where)  # noqa: E731
 
         def kind(*ks):
-            return "element" if "element" in ks else "uniform"
+            if "foreign" in ks:
+                if ("element" in ks or "tensor" in ks) and self.mixed_at is None:
+                    self.mixed_at = where
+                return "foreign"
+            return "element" if "element" in ks else "tensor" if "tensor" in ks else "uniform"
 
         if base in ("item",):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f".item() of per-element data at {where}: data-dependent, not traceable")
+            if k in ("tensor", "foreign"):
+                raise TraceError(f".item() of a per-tensor value (a norm, or math on one) at {where}: its value "
+                                 "is data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
         if base in ("bool",):
             e, k = E(0)
             if k == "element":
                 raise TraceError(f"Python control flow on per-element data (bool of a tensor) at {where}")
-            return self.paths.decide(e != 0.0, bool(out))
+            return self.paths.decide(e != 0.0, bool(out), foreign=k == "foreign", where=where)
         if base in ("float",) and name == "__float__":
             e, k = E(0)
             if k == "element":
                 raise TraceError(f"float() of per-element data at {where}")
+            if k in ("tensor", "foreign"):
+                raise TraceError(f"float() of a per-tensor value (a norm, or math on one) at {where}: its value is "
+                                 "data-dependent (read on the host); use the 0-dim tensor itself")
             return SymFloat(float(out), e, self.paths)
         unary = {"sqrt": _core.sqrt, "rsqrt": _core.rsqrt, "exp": _core.exp, "log": _core.log, "abs": _core.abs,
                  "sign": _core.sign, "sgn": _core.sign, "neg": lambda x: -x, "negative": lambda x: -x,
@@ -305,7 +408,9 @@ class _Recorder(TorchFunctionMode):
                   "gt": lambda x, y: x > y, "lt": lambda x, y: x < y, "ge": lambda x, y: x >= y,
                   "le": lambda x, y: x <= y, "eq": lambda x, y: x == y, "ne": lambda x, y: x != y,
                   "greater": lambda x, y: x > y, "less": lambda x, y: x < y}
-        if base in unary and len(args) >= 1:
+        if base in _REDUCTIONS and not (base in ("max", "min") and (len(args) >= 2 or "other" in kw)):
+            res, rk = self.reduction(name, base, args, kw, where)
+        elif base in unary and len(args) >= 1:
             e, k = E(0)
             res, rk = unary[base](e), k
         elif base in binary and (len(args) >= 2 or "other" in kw or "exponent" in kw):
@@ -343,18 +448,20 @@ class _Recorder(TorchFunctionMode):
             v = {"zeros_like": 0.0, "ones_like": 1.0, "empty_like": 0.0}.get(base)
             if base == "full_like":
                 v = kw.get("fill_value", args[1] if len(args) > 1 else None)
-            res, rk = self.of(v, where)[0], k
+            res, rk = self.of(v, where)  # every element the fill value: of its kind, not an element value
         elif base in ("zero", "fill"):
-            e, k = E(0)
-            res, rk = (b.constant(0.0) if base == "zero" else self.of(args[1], where)[0]), k
+            E(0)
+            res, rk = (b.constant(0.0), "uniform") if base == "zero" else self.of(arg(1, "value"), where)
         elif base == "copy_":
-            (_, kt), (src, ks) = E(0), E(1)
-            res, rk = src, kind(kt, ks)
+            E(0)
+            res, rk = E(1)
+            if rk == "foreign" and self.mixed_at is None and E(0)[1] in ("element", "tensor"):
+                self.mixed_at = where
         elif base in ("to", "float", "type_as", "type") and torch.is_tensor(args[0]):
             e, k = E(0)
             res, rk = e, k
         elif base in ("tensor", "as_tensor", "scalar_tensor"):
-            res, rk = self.of(args[0], where)[0], "uniform"
+            res, rk = self.of(args[0], where)
         else:
             raise TraceError(f"torch op '{name}' at {where} is not traceable (no optfuse equivalent recorded)")
         target = args[0] if inplace or base == "copy_" else out
@@ -362,7 +469,105 @@ class _Recorder(TorchFunctionMode):
             self.bind(target, res, rk)
         if torch.is_tensor(out) and out is not target:
             self.bind(out, res, rk)
+        root = self.square_root(base, args, kw, rk, where)
+        if root is not None:  # y*y: a later .sum() of it is y's sum of squares
+            for t in (target, out):
+                if torch.is_tensor(t):
+                    self.square_of[self.key(t)] = root
         return out
+
+    def square_root(self, base, args, kw, rk, where):
+        """y's expression when this op computed y*y (y.square(), y**2, y.pow(2), y*y) of an element value y."""
+        if base not in ("square", "pow", "mul", "multiply") or rk not in ("element", "foreign") or not args or not torch.is_tensor(args[0]):
+            return None
+        y = self.of(args[0], where)[0]
+        if base == "square":
+            return y
+        if base == "pow":
+            ex = args[1] if len(args) > 1 else kw.get("exponent")
+            # a plain number only: a SymFloat exponent is a hyperparameter (2 now, maybe not later)
+            return y if type(ex) in (int, float) and ex == 2 else None
+        if base in ("mul", "multiply"):
+            other = args[1] if len(args) > 1 else kw.get("other")
+            if torch.is_tensor(other) and self.key(other) in self.expr and _same_expr(self.of(other, where)[0], y):
+                return y
+        return None
+
+    def reduction(self, name, base, args, kw, where):
+        """A whole-tensor reduction the IR has (per tensor: the sum of squares), as (expr, "tensor");
+        TraceError naming the construct otherwise."""
+        x = args[0] if args else kw.get("input")
+        if not self.reductions:
+            raise TraceError(f"torch op '{name}' at {where} (a reduction) is not traceable here: the function "
+                             "form traces one tensor per list, where a sum over the list would pass for a "
+                             "per-tensor one")
+
+        def arg(i, key, default=None):
+            return args[i] if len(args) > i else kw.get(key, default)
+
+        if base in ("norm", "linalg_vector_norm", "linalg_norm"):
+            pkey = "p" if base == "norm" else "ord"
+            p = arg(1, pkey, {"norm": "fro", "linalg_vector_norm": 2, "linalg_norm": None}[base])
+            dim, keepdim = arg(2, "dim"), arg(3, "keepdim", False)
+            call = "norm" if base == "norm" else f"torch.linalg.{base[len('linalg_'):]}"
+            what = f"{call}({pkey}={p!r}{'' if dim is None else f', dim={dim!r}'}) at {where}"
+        else:
+            p, dim = None, arg(1, "dim")
+            keepdim = arg(2, "keepdim", False)
+            what = f"{base}(){'' if dim is None else f' with dim={dim!r}'} at {where}"
+        if dim is not None:
+            raise TraceError(f"{what}: a reduction along dimensions (dim=) is not traceable; the IR reduces whole "
+                             "tensors only (a norm or sum of squares of the whole parameter-shaped tensor)")
+        if keepdim:
+            raise TraceError(f"{what}: keepdim=True is not traceable (reduce to a 0-dim value, keepdim=False)")
+        if kw.get("out") is not None:
+            raise TraceError(f"{what}: out= is not traceable")
+        dtype = kw.get("dtype")
+        if dtype is not None and dtype not in (torch.float32, torch.float64):
+            raise TraceError(f"{what}: dtype={dtype} is not traceable (float32 or float64 only)")
+        if base in ("max", "min", "amax", "amin"):
+            raise TraceError(f"{what}: the IR has no max/min reduction (the largest |x|, x.abs().max(), the inf-norm, "
+                             "is not a reduction optfuse has; per tensor it has the sum of squares)")
+        if base in ("mean", "nanmean"):
+            raise TraceError(f"{what}: a mean needs the tensor's element count, which the IR has not (per tensor "
+                             "it has the sum of squares: norm(), x.pow(2).sum())")
+        if base not in ("norm", "linalg_vector_norm", "linalg_norm", "sum"):
+            raise TraceError(f"{what}: a reduction the IR has not (per tensor it has the sum of squares: "
+                             "norm(), x.pow(2).sum())")
+        if not torch.is_tensor(x):
+            raise TraceError(f"{what}: not of a tensor")
+        if base != "sum":
+            nd = x.dim()
+            if isinstance(p, SymFloat):
+                raise TraceError(f"{what}: the norm's order comes from a hyperparameter or the step: not traceable "
+                                 "(only the 2-norm is a reduction the IR has)")
+            two = type(p) in (int, float) and p == 2
+            ok = {"norm": p in ("fro", None) or two,
+                  "linalg_vector_norm": two,
+                  # linalg.norm: None is the 2-norm of the flattened tensor; 'fro' is it of a matrix; ord=2 is
+                  # the vector 2-norm of a vector but the spectral norm of a matrix
+                  "linalg_norm": p is None or (p == "fro" and nd == 2) or (two and nd == 1)}[base]
+            if not ok:
+                inf = type(p) in (int, float) and p == float("inf")
+                why = ("the largest |x| (a max-of-abs reduction), which the IR has not" if inf else
+                       "a matrix norm (singular values), not traceable" if base == "linalg_norm" and nd == 2 else
+                       "only the 2-norm (the square root of a sum of squares) is a reduction the IR has")
+                raise TraceError(f"{what}: {why}")
+        e, k = self.of(x, where)
+        if k not in ("element", "foreign"):
+            raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
+                             "elements all hold one value per tensor or per step): the IR reduces per-element "
+                             "values only (the element count is not an input)")
+        if self.param_numel is not None and x.numel() != self.param_numel:
+            raise TraceError(f"{what}: of a tensor of shape {tuple(x.shape)} ({x.numel()} elements), not the "
+                             f"parameter's ({self.param_numel}): the IR reduces whole parameter-shaped tensors only")
+        if base == "sum":
+            root = self.square_of.get(self.key(x))
+            if root is None:
+                raise TraceError(f"{what}: the sum of a tensor that is not a square (x*x, x**2, x.pow(2), "
+                                 "x.square()); the only per-tensor sum the IR has is the sum of squares")
+            return _core.tensor_sum_of_squares(root), "tensor" if k == "element" else k
+        return _core.sqrt(_core.tensor_sum_of_squares(e)), "tensor" if k == "element" else k
 
 
 # --- from an optimizer to a rule
@@ -505,9 +710,12 @@ def _probe(opt, group, hyper_subst, shape=None):
     return probe, p
 
 
-def _trace_once(opt, group, layout, b, first, forced):
-    """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths)."""
-    paths = _Paths(forced)
+def _trace_once(opt, group, layout, b, first, forced, shape=None):
+    """One run of opt.step() on a probe under the recorder; returns (param expr, {state: expr}, paths).
+    The probe group holds two other parameters, one before and one after the probe: their values are
+    "foreign", and any that reaches the probe's update (a sum or norm over the group's parameters in
+    Python, a branch on one) is refused, never taken as the probe's own."""
+    paths = _Paths(forced, memo=True)
     hypers = hyper_values(group, layout.counters)
 
     def subst(k, v):
@@ -520,28 +728,32 @@ def _trace_once(opt, group, layout, b, first, forced):
             return type(v)(SymFloat(float(x), b.hyper(f"{k}_{i}"), paths) for i, x in enumerate(v))
         return v
 
-    probe, p = _probe(opt, group, subst)
+    probe, p = _probe(opt, group, subst, shape)
     for k in layout.counters:  # a fresh group has none yet: the optimizer's own code would start it at 0
         if k not in probe.param_groups[0]:
             probe.param_groups[0][k] = subst(k, 0)
-    rec = _Recorder(b, paths)
-    rec.bind(p, b.param(), "element")
-    p.grad = torch.randn_like(p)
-    rec.bind(p.grad, b.update(), "element")
-    if not first:
-        st = probe.state[p]
-        for k in layout.states:
-            t = torch.rand_like(p) + 0.5
-            rec.bind(t, b.state(k), "element")
-            st[k] = t
-        if layout.step_key is not None:
-            before = b.step() - 1.0
-            if layout.step_is_tensor:
-                t = torch.tensor(float(LATER_STEP))
-                rec.bind(t, before, "uniform")
-                st[layout.step_key] = t
-            else:
-                st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
+    rec = _Recorder(b, paths, reductions=True)
+    others = [torch.randn_like(p), torch.randn_like(p)]
+    probe.param_groups[0]["params"] = [others[0], p, others[1]]
+    for q, kind in ((p, "element"), (others[0], "foreign"), (others[1], "foreign")):
+        # the others have the probe's expressions (the same math on them is the same nodes) but their own kind
+        rec.bind(q, b.param(), kind)
+        q.grad = torch.randn_like(q)
+        rec.bind(q.grad, b.update(), kind)
+        if not first:
+            st = probe.state[q]
+            for k in layout.states:
+                t = torch.rand_like(q) + 0.5
+                rec.bind(t, b.state(k), kind)
+                st[k] = t
+            if layout.step_key is not None:
+                before = b.step() - 1.0
+                if layout.step_is_tensor:
+                    t = torch.tensor(float(LATER_STEP))
+                    rec.bind(t, before, "uniform")
+                    st[layout.step_key] = t
+                else:
+                    st[layout.step_key] = SymFloat(float(LATER_STEP), before, paths)
     inputs = dict(probe.param_groups[0])
     patched = _patched_math()
     saved = {n: getattr(math, n) for n in patched}
@@ -567,15 +779,20 @@ def _trace_once(opt, group, layout, b, first, forced):
         hit = rec.expr.get(rec.key(t))
         if hit is None:
             raise TraceError(f"{what} after the step is a tensor the trace did not produce")
+        if hit[1] == "foreign":
+            raise TraceError(f"{what} after the step depends on other parameters' values (first met at "
+                             f"{rec.mixed_at or '?'}): a sum or norm over the group's parameters (global-norm "
+                             "clipping) is not traceable yet; a traced step must update each parameter from "
+                             "its own values")
         return hit[0]
 
     states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if k in st}
     return expr_of(p, "the parameter"), states, paths.seen
 
 
-def _explore(opt, group, layout, b, first):
+def _explore(opt, group, layout, b, first, shape=None):
     """Every path through the symbolic branches, merged with selects into one set of expressions."""
-    return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced))
+    return explore_paths(lambda forced: _trace_once(opt, group, layout, b, first, forced, shape))
 
 
 def explore_paths(trace_once, infeasible=(), skipped=None):
@@ -604,6 +821,14 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
                     skipped.append(cond)
                 continue
             op, ost = other
+            if getattr(seen[i], "foreign", False):
+                # a branch on another parameter's values: fine where it changes only that parameter's update
+                if not (_same_expr(op, param) and set(ost) == set(states)
+                        and all(_same_expr(ost[k], states[k]) for k in states)):
+                    raise TraceError(f"a Python branch on other parameters' values at {seen[i].where} changes "
+                                     "this parameter's update: not traceable (each parameter's update must "
+                                     "depend on its own values only)")
+                continue
             t_param, f_param = (param, op) if outcome else (op, param)
             param = _core.select(cond, t_param, f_param)
             merged = {}
@@ -630,9 +855,32 @@ def traced_rule(opt, group):
     for k in layout.states:
         rule.state(k, 0.0)
 
+    traced_dim = len(probe_shape(group))
+    others = {}  # another dimensionality in the group -> a probe shape of it
+    for q in group.get("params", ()):
+        if q.dim() != traced_dim and q.dim() not in others:
+            others[q.dim()] = probe_shape(group, like=q)
+
     def update(b):
         p_first, s_first = _explore(opt, group, layout, b, True)
         p_later, s_later = _explore(opt, group, layout, b, False)
+        for nd, shape in sorted(others.items()):
+            # one rule per group: the step must be the same math for every dimensionality in it (timm's Mars
+            # runs AdamW on vectors, MARS on matrices; the IR cannot select on a tensor's dimensionality)
+            for first, (pe, se) in ((True, (p_first, s_first)), (False, (p_later, s_later))):
+                try:
+                    op, ost = _explore(opt, group, layout, b, first, shape)
+                except TraceError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    op, ost = None, {"?": e}
+                if (op is None or not _same_expr(op, pe) or set(ost) != set(se)
+                        or any(not _same_expr(ost[k], se[k]) for k in se)):
+                    raise TraceError(
+                        f"{type(opt).__name__}'s step is other math for a parameter of {nd} dimension(s) than for "
+                        f"one of {traced_dim} in the same param group (it branches on the parameter's shape): "
+                        "one param group is one traced rule, and the IR cannot select on a tensor's "
+                        "dimensionality; not traceable yet")
         is_first = b.step() == 1.0
         for k in layout.states:
             later = s_later.get(k, b.state(k))
