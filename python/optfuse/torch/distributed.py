@@ -134,7 +134,11 @@ class ZeRO(torch.optim.Optimizer):
     # --- setup
     def _plan_shards(self):
         params = [p for g in self.param_groups for p in g["params"]]
+        from ._dtensor import is_dtensor
         for p in params:
+            if is_dtensor(p):
+                raise OptfuseError(f"ZeRO: the parameter of shape {tuple(p.shape)} is a DTensor (FSDP2 fully_shard), "
+                                   "already sharded: use the optimizer itself, without ZeRO (each rank steps its shards)")
             if not p.is_contiguous():
                 raise OptfuseError(f"ZeRO: parameters must be contiguous (shape {tuple(p.shape)}, strides {p.stride()})")
         devices = {p.device.type for p in params}
