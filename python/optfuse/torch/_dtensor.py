@@ -80,7 +80,7 @@ def as_state(t, p):
 
 def reduction_error(name, scopes, p, tg):
     return _error(
-        f"{name}: the chain has reductions ({scopes}) and the parameter of shape {tuple(p.shape)} (group {tg}) is a "
+        f"{name}: the chain has reductions (scopes: {', '.join(sorted(set(map(str, scopes))))}) and the parameter of shape {tuple(p.shape)} (group {tg}) is a "
         "DTensor (FSDP2 fully_shard). Each rank holds a shard cut at rows, not at optfuse's chunks, so a norm or "
         "non-finite check over the local shards would be a per-rank value, not the model's; reductions across DTensor "
         "shards are not built. Use an element-wise optimizer on DTensor parameters (clip with "
