@@ -36,7 +36,7 @@ import torch
 import torch.optim.optimizer as _torch_opt
 
 from .. import _core
-from . import _compile
+from . import _compile, _dtensor
 from ._engine import Engine, dtype_code
 
 OptfuseError = _core.OptfuseError
@@ -126,6 +126,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._on_cuda = False
         self._graph = None     # what a traced step needs (_GraphLayout), None where it falls back
         self._foreign = False  # the op pointed the tables at tensors other than ours (copies)
+        self._dtensor_locals = []  # (DTensor parameter, the local tensor the tables point at) (FSDP2)
         self._graph_id = _compile.register(self)
         self._graph_builds = 0
         keys = self._sig_keys
@@ -420,6 +421,9 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for e in self._engines.values():
                     e.push_hypers(i, hypers)
                 self._sigs[i] = sig
+        for p, lp in self._dtensor_locals:  # FSDP2 re-pads a shard after e.g. model.load_state_dict(assign=True)
+            if p._local_tensor is not lp:
+                return False
         r = self._watch.check()
         if r == 0:
             return True
@@ -492,7 +496,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         for k, g in zip(self._keys, groups):
             self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(g)
         params = [p for g in groups for p in g["params"]]
-        self._watch = _core._GradWatch(params)
+        dtensors = [p for p in params if _dtensor.is_dtensor(p)]
+        # A DTensor parameter (FSDP2) is watched through its local gradient shard: snapshot() and
+        # check() then give the tensors the kernel reads.
+        self._watch = _core._GradWatch([_dtensor.LocalGrad(p) if _dtensor.is_dtensor(p) else p for p in params]
+                                       if dtensors else params)
         grads = self._watch.snapshot()
         buckets = {}
         w = 0
@@ -503,12 +511,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                     if grad.is_sparse:
                         raise OptfuseError(f"{type(self).__name__}: sparse gradients are not supported "
                                            f"(parameter of shape {tuple(p.shape)} in group {tg})")
-                    if not _is_dense(p):
+                    lp = _dtensor.local(p)  # the tensor the kernel steps: p, or a DTensor's local shard
+                    if lp is not p:
+                        _dtensor.check_grad(type(self).__name__, p, tg)
+                    if not _is_dense(lp):
                         raise OptfuseError(f"{type(self).__name__}: parameter of shape {tuple(p.shape)} (group {tg}) "
                                            f"overlaps itself or has gaps (strides {p.stride()}); optfuse needs "
                                            "dense parameters")
                     storage = _chain_precision(type(self).__name__, self._precisions[tg], p, tg)
-                    buckets.setdefault((self._keys[tg], p.device, storage), []).append((p, grad, tg, w))
+                    buckets.setdefault((self._keys[tg], p.device, storage), []).append((p, grad, tg, w, lp))
                 w += 1
         engines, self._copies = {}, []
         for (key, device, storage), items in buckets.items():
@@ -519,8 +530,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             engine = (old if old is not None and old.chain_text == text
                       else Engine(chain, device, self._skips_only_on_found_inf, *storage))
             engine.chain_text = text
+            scopes = engine.core.plan.reduction_scopes
+            if scopes and dtensors:
+                for p, _, tg, _, lp in items:
+                    if lp is not p:
+                        raise _dtensor.reduction_error(type(self).__name__, scopes, p, tg)
             entries = []
-            for p, grad, tg, w in items:
+            for p, grad, tg, w, lp in items:
                 # torch keeps no state entry for a parameter whose optimizer holds none (SGD
                 # without momentum): neither do we, so state dicts have the same keys.
                 st = self.state[p] if (engine.state_names or self._step_in_state) else self.state.get(p, {})
@@ -530,7 +546,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 states = self._states_for(p, st, engine, prec)
                 # Stochastic rounding: the parameter's stores unless a master copy holds its value.
                 stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
-                entries.append((p, self._grad_for(p, grad), states, tg, step, w, stochastic, self._rng_stream(p, w),
+                entries.append((p, self._grad_for(lp, grad), states, tg, step, w, stochastic, self._rng_stream(p, w),
                                 self._ustates_of(p, st, engine)))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
             built = self.__dict__.get("_on_engine_built")  # a sharded optimizer sets its exchange
@@ -544,7 +560,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._sigs = [_sig_key(s) if self._tensor_hypers else s for s in sigs]
         self._on_cuda = any(device.type == "cuda" for _, device, _ in engines)
         self._foreign = False
-        self._graph = self._make_graph_layout(groups)
+        # DTensor parameters: the eager step (the custom op would be handed DTensors, not their shards)
+        self._graph = None if dtensors else self._make_graph_layout(groups)
+        self._dtensor_locals = [(p, p._local_tensor) for p in dtensors]
         self._of_dirty = False
 
     def _rng_stream(self, p, w):
@@ -569,7 +587,11 @@ class FusedOptimizer(torch.optim.Optimizer):
                         t.copy_(p)  # a master copy starts as the parameter
                 else:
                     t.fill_(init)
-            elif t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride():
+            else:
+                if _dtensor.is_dtensor(p) and not _dtensor.is_dtensor(t):
+                    t = _dtensor.as_state(t, p)  # a plain tensor from a state dict saved without FSDP2
+            if (t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride()
+                    or _dtensor.local(t).stride() != _dtensor.local(p).stride()):
                 # A state of another dtype or layout (a torch state dict, a changed state_dtype):
                 # converted once into the layout and dtype the kernel steps.
                 converted = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)

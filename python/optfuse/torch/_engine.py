@@ -23,6 +23,7 @@ effect without a host round trip, also between replays of a captured CUDA graph.
 import torch
 
 from .. import _core
+from ._dtensor import local
 
 # optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3}
@@ -116,10 +117,12 @@ class Engine:
             self.params.append(p)
             self.indices.append(widx)
             self.group_of.append(gi)
+            self.states.extend(states)
+            # A DTensor (FSDP2) parameter, gradient or state: the kernel steps its local shard.
+            p, g, states = local(p), local(g), [local(s) for s in states]
             ptrs_p.append(p.data_ptr())
             ptrs_g.append(g.data_ptr())
             ptrs_s.extend(s.data_ptr() for s in states)
-            self.states.extend(states)
             numels.append(p.numel())
             roles = [p, g] + list(states)
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)

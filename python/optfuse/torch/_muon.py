@@ -314,6 +314,12 @@ class Muon(torch.optim.Optimizer):
     def _rebuild(self, sigs):
         groups = self.param_groups
         params = [p for g in groups for p in g["params"]]
+        from ._dtensor import is_dtensor
+        for p in params:
+            if is_dtensor(p):
+                raise OptfuseError(f"{type(self).__name__}: the parameter of shape {tuple(p.shape)} is a DTensor (FSDP2 "
+                                   "fully_shard); Newton-Schulz orthogonalises whole matrices and each rank holds rows "
+                                   "of one (gathering them is not built)")
         self._watch = _core._GradWatch(params)
         grads = self._watch.snapshot()
         items, w = [], 0

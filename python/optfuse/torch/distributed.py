@@ -50,7 +50,8 @@ every rank (all_gather_object of CPU copies; loads into a ZeRO of any world size
 sharded_state_dict() / load_sharded_state_dict() go through torch.distributed.checkpoint without
 gathering: each per-element state of parameter i is a ShardedTensor of the parameter's flattened
 size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP reshards on load:
-saved by N ranks, loaded by M. FSDP2 is not built.
+saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
+local shards themselves (_dtensor.py); ZeRO refuses DTensor parameters.
 """
 import bisect
 import io
@@ -152,7 +153,11 @@ class ZeRO(torch.optim.Optimizer):
 
     def _plan_shards(self):
         params = [p for g in self.param_groups for p in g["params"]]
+        from ._dtensor import is_dtensor
         for p in params:
+            if is_dtensor(p):
+                raise OptfuseError(f"ZeRO: the parameter of shape {tuple(p.shape)} is a DTensor (FSDP2 fully_shard), "
+                                   "already sharded: use the optimizer itself, without ZeRO (each rank steps its shards)")
             if not p.is_contiguous():
                 raise OptfuseError(f"ZeRO: parameters must be contiguous (shape {tuple(p.shape)}, strides {p.stride()})")
         devices = {p.device.type for p in params}
