@@ -452,3 +452,28 @@ def test_cpu_and_cuda_paths_agree():
     print(f"optfuse Muon CPU vs CUDA: max|dp| {d:.3g}")
     # two GEMM implementations (torch's CPU BLAS, cuBLAS) and two forward/backward passes
     assert d <= bound(cpu_model, kw)
+
+
+def test_grad_scaler_unscales_and_skips_like_torch(device):
+    """torch.amp.GradScaler with Muon takes torch's standard path (Muon, like torch.optim.Muon, does
+    not take grad_scale/found_inf itself): the scaler unscales the gradients in place and steps only
+    when they are finite. optfuse.Muon then matches torch.optim.Muon step for step, an inf in one
+    step's gradients skips it for both, and both scalers end at the same, lowered scale."""
+    import torch.nn.functional as F
+    ref_model, ours_model = make_mlp(device), make_mlp(device)
+    ref = torch.optim.Muon(ref_model.parameters(), lr=0.02)
+    ours = oft.Muon(ours_model.parameters(), lr=0.02)
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0 ** 8) for _ in range(2)]
+    for s in range(STEPS):
+        for model, opt, scaler in ((ref_model, ref, scalers[0]), (ours_model, ours, scalers[1])):
+            opt.zero_grad()
+            x, y = batch(s, device)
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            if s == 3:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0 ** 8  # the inf step was seen and skipped
+    assert max_abs(ours_model, make_mlp(device)) > 1e-3  # training moved the weights
+    assert max_abs(ours_model, ref_model) <= bound(ours_model, dict(lr=0.02))
+    assert buffers_diff(ours, ref) <= NS_ABS
