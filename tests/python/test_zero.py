@@ -196,7 +196,8 @@ def run_ranks(world, tmp_path, timeout=600):
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+# 4 ranks: rank 0's shard is empty (no chunk boundary falls before a quarter of the model)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_zero1_with_ddp_is_bitwise_the_unsharded_optimizer(world, tmp_path):
     results = run_ranks(world, tmp_path)
     labels = {n: kw for n, kw in CASES} | {lb: kw for lb, _, kw in PRECISION_CASES}
@@ -521,3 +522,44 @@ def test_bytes_per_step_follow_the_traffic_model(world, tmp_path):
                 assert v["model"] <= b <= v["model"] + 1024, (world, r, stage, v)
             # padding to the largest shard costs at most one chunk (16384 elements) per other rank
             assert v["model"] <= v["ideal"] + (world - 1) * 16384 * 4 * 2, (world, stage, v)
+
+
+def dying_worker(rank, world, init_file, out_dir):
+    """Rank 1 leaves after the ZeRO is built (exit code 0, so torch.multiprocessing lets rank 0 run
+    on): rank 0's next step must fail with an error, not hang (gloo notices the closed connection, or
+    the process group's timeout fires)."""
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=20))
+    model = make_model()
+    zero = ZeRO(oft.AdamW(model.parameters()))
+    if rank == 1:
+        os._exit(0)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    t0 = time.monotonic()
+    try:
+        zero.step()
+        outcome = "stepped"
+    except Exception as e:  # noqa: BLE001  (whatever torch.distributed raises for a lost peer)
+        outcome = f"{type(e).__name__}: {str(e)[:200]}"
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump({"outcome": outcome, "seconds": time.monotonic() - t0}, f)
+    os._exit(0)  # destroy_process_group would wait for the dead peer
+
+
+def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
+    import torch.multiprocessing as mp
+    ctx = mp.start_processes(dying_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail("rank 0 hung after rank 1 died")
+    res = json.load(open(tmp_path / "rank0.json"))
+    assert res["outcome"] != "stepped", res
+    assert res["seconds"] < 60, res  # within the process group's 20 s timeout, plus slack
