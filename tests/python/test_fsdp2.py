@@ -15,15 +15,14 @@ set_optimizer_state_dict on a fresh optimizer, whose state is initialised by tor
 step at lr=0) mid-run: training continues bitwise equal. Chains with reductions (global-norm clip,
 Lamb, Lars) are refused with the reason. Processes start with torch.multiprocessing, rendezvous
 through a file (no network), and are bounded by timeouts."""
-import copy
 import json
 import os
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -216,16 +215,7 @@ def worker(rank, world, init_file, out_dir, backend, device_type):
 
 
 def run_ranks(world, tmp_path, backend="gloo", device_type="cpu", timeout=600):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path), backend, device_type),
-                             nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within {timeout} s")
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    return spawn_ranks(worker, world, tmp_path, backend, device_type, timeout=timeout)
 
 
 def check(results, world):

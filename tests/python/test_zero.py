@@ -17,6 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -103,7 +104,6 @@ def same_state(a, b):
 
 
 def worker(rank, world, init_file, out_dir):
-    import optfuse
     import optfuse.torch as oft
     from optfuse.torch.distributed import ZeRO
     from torch.nn.parallel import DistributedDataParallel
@@ -184,16 +184,7 @@ def worker(rank, world, init_file, out_dir):
 
 
 def run_ranks(world, tmp_path, timeout=600):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within {timeout} s")
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    return spawn_ranks(worker, world, tmp_path, timeout=timeout)
 
 
 # 4 ranks: rank 0's shard is empty (no chunk boundary falls before a quarter of the model)
@@ -325,17 +316,8 @@ def test_zero_on_cuda_over_nccl_is_bitwise_the_unsharded_optimizer(world, tmp_pa
         pytest.skip("needs CUDA and NCCL (CPU ranks over gloo are tested above)")
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs, this machine has {torch.cuda.device_count()}")
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(cuda_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within 300 s")
-    for r in range(world):
-        res = json.load(open(tmp_path / f"rank{r}.json"))
+    results = spawn_ranks(cuda_worker, world, tmp_path, timeout=300)
+    for r, res in enumerate(results):
         for label, v in res.items():
             assert v == dict(params_equal=True, moved=True), (world, r, label, v)
 
@@ -360,17 +342,9 @@ def mismatch_worker(rank, world, init_file, out_dir):
 
 
 def test_parameters_that_differ_across_ranks_fail_on_every_rank(tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(mismatch_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("the ranks did not finish within 120 s (a hang)")
-    for r in range(2):
-        msg = json.load(open(tmp_path / f"rank{r}.json"))["message"]
+    results = spawn_ranks(mismatch_worker, 2, tmp_path, timeout=120)
+    for r, res in enumerate(results):
+        msg = res["message"]
         assert msg.startswith("ZeRO: the ranks do not hold the same parameters"), (r, msg)
         assert "(0, (30, 20), 'torch.float32')" in msg and "(0, (31, 20), 'torch.float32')" in msg, msg
 
@@ -418,17 +392,8 @@ def clip_worker(rank, world, init_file, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_clip_grad_norm_is_folded_into_the_step(world, tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(clip_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within 300 s")
-    for r in range(world):
-        res = json.load(open(tmp_path / f"rank{r}.json"))
+    results = spawn_ranks(clip_worker, world, tmp_path, timeout=300)
+    for r, res in enumerate(results):
         for stage, v in res.items():
             assert v["clipped"], (stage, "the clip never acted: the comparison would be vacuous")
             # stage 2: this reference averages the local gradients in another buffer layout than ZeRO's
@@ -504,17 +469,8 @@ def traffic_worker(rank, world, init_file, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_bytes_per_step_follow_the_traffic_model(world, tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(traffic_worker, args=(world, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 200
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within 200 s")
-    for r in range(world):
-        res = json.load(open(tmp_path / f"rank{r}.json"))
+    results = spawn_ranks(traffic_worker, world, tmp_path, timeout=200)
+    for r, res in enumerate(results):
         for stage, v in res.items():
             for b in v["per_step"]:
                 # the model's collectives, plus at most 1 KiB of flags (stage 2: which parameters have
@@ -551,15 +507,6 @@ def dying_worker(rank, world, init_file, out_dir):
 
 
 def test_a_rank_that_dies_makes_the_others_fail_not_hang(tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.start_processes(dying_worker, args=(2, str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 120
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail("rank 0 hung after rank 1 died")
-    res = json.load(open(tmp_path / "rank0.json"))
+    (res,) = spawn_ranks(dying_worker, 2, tmp_path, timeout=120, reporting=[0])
     assert res["outcome"] != "stepped", res
     assert res["seconds"] < 60, res  # within the process group's 20 s timeout, plus slack

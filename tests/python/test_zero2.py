@@ -20,11 +20,11 @@ bounded by timeouts."""
 import copy
 import json
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
+from ranks import spawn_ranks
 from test_zero import same_state  # noqa: E402  (one definition of the state comparison)
 
 dist = pytest.importorskip("torch.distributed")
@@ -228,23 +228,9 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
     dist.destroy_process_group()
 
 
-def run_ranks(fn, world, run_dir, *args, timeout=600):
-    import torch.multiprocessing as mp
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(fn, args=(world, str(run_dir / "rendezvous"), str(run_dir), *args), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} ranks did not finish within {timeout} s")
-    return [json.load(open(run_dir / f"rank{r}.json")) for r in range(world)]
-
-
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_zero2_is_bitwise_the_unsharded_optimizer_on_averaged_gradients(world, tmp_path):
-    results = run_ranks(stage2_worker, world, tmp_path)
+    results = spawn_ranks(stage2_worker, world, tmp_path)
     for rank, res in enumerate(results):
         for label, _, _ in CASES:
             r = res[label]
@@ -273,8 +259,8 @@ def test_zero2_is_bitwise_the_unsharded_optimizer_on_averaged_gradients(world, t
 def test_dcp_checkpoint_reshards_and_training_continues_bitwise(saved_by, loaded_by, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     ckpt_dir.mkdir()
-    saved = run_ranks(dcp_worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
-    loaded = run_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
+    saved = spawn_ranks(dcp_worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
+    loaded = spawn_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
     for phase, results in (("save", saved), ("load", loaded)):
         for rank, res in enumerate(results):
             for label, _, _ in DCP_CASES:
@@ -309,6 +295,6 @@ def mismatch_worker(rank, world, init_file, out_dir, ckpt):
 
 
 def test_dcp_checkpoint_of_another_model_is_refused(tmp_path):
-    (res,) = run_ranks(mismatch_worker, 1, tmp_path, str(tmp_path / "ckpt"))
+    (res,) = spawn_ranks(mismatch_worker, 1, tmp_path, str(tmp_path / "ckpt"))
     assert res["error"] is not None and "elements" in res["error"], res  # ZeRO's check, before any state is installed
     assert res["error"].startswith("OptfuseError"), res

@@ -1,0 +1,23 @@
+"""Several processes for the distributed tests (test_zero*.py, test_fsdp2.py): each rank runs
+fn(rank, world, rendezvous_file, out_dir, *args) in a process of its own (torch.multiprocessing,
+spawn), meets the others through a file (no network), and writes out_dir/rank<r>.json; a run that
+exceeds `timeout` seconds is terminated and fails the test (a hang never blocks CI)."""
+import json
+import time
+
+import pytest
+
+
+def spawn_ranks(fn, world, run_dir, *args, timeout=600, reporting=None):
+    """Runs fn on `world` ranks; returns the JSON each rank in `reporting` (default: all) wrote."""
+    import torch.multiprocessing as mp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ctx = mp.start_processes(fn, args=(world, str(run_dir / "rendezvous"), str(run_dir), *args), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{world} ranks did not finish within {timeout} s")
+    return [json.load(open(run_dir / f"rank{r}.json")) for r in (range(world) if reporting is None else reporting)]
