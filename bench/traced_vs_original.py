@@ -17,7 +17,6 @@ import importlib
 import json
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -111,7 +110,6 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
-    _ = statistics  # (timing statistics live in time_steps)
 
 
 if __name__ == "__main__":

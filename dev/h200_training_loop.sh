@@ -31,28 +31,18 @@ if has python; then
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rfE --tb=short -p no:cacheprovider ${PYTEST_ARGS:-tests/python} >"$out/pytest.log" 2>&1
   grep -E "^(FAILED|ERROR)|passed|failed" "$out/pytest.log" | tail -40 | tee -a "$out/summary.log"
 fi
-if has bench; then
-  step "training loop vs torch"
-  timeout ${BENCH_TIMEOUT:-200} python3 bench/training_loop.py --json "$out/training_loop.json" ${BENCH_ARGS:-} 2>&1 | tee -a "$out/summary.log"
-fi
-if has optimizers; then
-  step "optimizers vs torch"
-  timeout ${OPT_TIMEOUT:-240} python3 bench/optimizers_vs_torch.py --json "$out/optimizers_vs_torch.json" ${OPT_ARGS:-} 2>&1 | tee -a "$out/summary.log"
-fi
-if has mixed; then
-  step "mixed precision vs torch"
-  timeout ${MIXED_TIMEOUT:-200} python3 bench/mixed_precision_vs_torch.py --json "$out/mixed_precision_vs_torch.json" 2>&1 | tee -a "$out/summary.log"
-fi
-if has muon; then
-  step "muon vs torch"
-  timeout ${MUON_TIMEOUT:-200} python3 bench/muon_vs_torch.py --json "$out/muon_vs_torch.json" ${MUON_ARGS:-} 2>&1 | tee -a "$out/summary.log"
-fi
-if has traced; then
-  step "traced optimizers vs their originals"
-  timeout ${TRACED_TIMEOUT:-200} python3 bench/traced_vs_original.py --json "$out/traced_vs_original.json" 2>&1 | tee -a "$out/summary.log"
-fi
-if has compile; then
-  step "training loop, torch.compile"
-  timeout 240 python3 bench/training_loop.py --workloads gpt2-small --compile --json "$out/training_loop_compile.json" 2>&1 | tee -a "$out/summary.log"
-fi
+# bench PART TITLE TIMEOUT SCRIPT JSON [ARGS...]: one benchmark part, its table in summary.log
+bench() {
+  local part=$1 title=$2 limit=$3 script=$4 json=$5
+  shift 5
+  has "$part" || return 0
+  step "$title"
+  timeout "$limit" python3 "bench/$script" --json "$out/$json" "$@" 2>&1 | tee -a "$out/summary.log"
+}
+bench bench "training loop vs torch" "${BENCH_TIMEOUT:-200}" training_loop.py training_loop.json ${BENCH_ARGS:-}
+bench optimizers "optimizers vs torch" "${OPT_TIMEOUT:-240}" optimizers_vs_torch.py optimizers_vs_torch.json ${OPT_ARGS:-}
+bench mixed "mixed precision vs torch" "${MIXED_TIMEOUT:-200}" mixed_precision_vs_torch.py mixed_precision_vs_torch.json
+bench muon "muon vs torch" "${MUON_TIMEOUT:-200}" muon_vs_torch.py muon_vs_torch.json ${MUON_ARGS:-}
+bench traced "traced optimizers vs their originals" "${TRACED_TIMEOUT:-200}" traced_vs_original.py traced_vs_original.json
+bench compile "training loop, torch.compile" 240 training_loop.py training_loop_compile.json --workloads gpt2-small --compile
 step done

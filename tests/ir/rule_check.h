@@ -43,6 +43,43 @@ namespace optfuse::rulecheck {
 constexpr double kRel32 = 1e-6;
 constexpr double kProbe = 1e-7;  // relative input perturbation that measures sensitivity
 
+// One float32 element (parameter 1, states at their init values) on the reference backend, stepped
+// by hand with chosen gradients: the harness of the hand-derived rule tests. Holds pointers into
+// itself, so it does not move.
+class OneElement {
+ public:
+  explicit OneElement(const Chain& chain) : opt_(chain, Backend::reference, 1), s_(opt_.plan().program.states.size()) {
+    TensorRef r;
+    r.param = Buffer{&p_, 1, DType::f32};
+    r.grad = Buffer{&g_, 1, DType::f32};
+    for (float& x : s_) r.states.push_back(Buffer{&x, 1, DType::f32});
+    init_host_states(opt_.plan(), r);
+    opt_.set_tensors({r});
+  }
+  OneElement(const OneElement&) = delete;
+  OneElement& operator=(const OneElement&) = delete;
+
+  Optimizer& optimizer() { return opt_; }
+  void step(float grad) {
+    g_ = grad;
+    opt_.step();
+  }
+  double param() const { return p_; }
+  // A state by its qualified name ("scale_by_ademamix.exp_avg_fast").
+  double state(const std::string& qualified) const {
+    const auto& states = opt_.plan().program.states;
+    for (size_t i = 0; i < states.size(); ++i)
+      if (states[i].qualified == qualified) return s_[i];
+    ADD_FAILURE() << "no state " << qualified;
+    return 0.0;
+  }
+
+ private:
+  float p_ = 1.0f, g_ = 0.0f;
+  Optimizer opt_;
+  std::vector<float> s_;
+};
+
 struct StepCtx {
   int group = 0;       // the element's parameter group
   int t = 1;           // step being taken in that group: 1 on the first

@@ -51,27 +51,12 @@ struct Trace {
 };
 
 std::vector<Trace> run_one_element(const Chain& chain) {
-  Optimizer opt(chain, Backend::reference, 1);
-  const Program& prog = opt.plan().program;
-  float p = 1.0f, g = 0.0f;
-  std::vector<float> s(prog.states.size(), 0.0f);
-  TensorRef r;
-  r.group = 0;
-  r.param = Buffer{&p, 1, DType::f32};
-  r.grad = Buffer{&g, 1, DType::f32};
-  for (auto& x : s) r.states.push_back(Buffer{&x, 1, DType::f32});
-  opt.set_tensors({r});
-  auto at = [&](const std::string& name) {
-    for (size_t i = 0; i < prog.states.size(); ++i)
-      if (prog.states[i].qualified == "scale_by_ademamix." + name) return static_cast<double>(s[i]);
-    ADD_FAILURE() << "no state " << name;
-    return 0.0;
-  };
+  OneElement e(chain);
+  auto at = [&](const std::string& name) { return e.state("scale_by_ademamix." + name); };
   std::vector<Trace> out;
   for (float grad : {1.0f, 2.0f, -1.0f}) {
-    g = grad;
-    opt.step();
-    out.push_back({p, at("exp_avg_fast"), at("exp_avg_slow"), at("exp_avg_sq")});
+    e.step(grad);
+    out.push_back({e.param(), at("exp_avg_fast"), at("exp_avg_slow"), at("exp_avg_sq")});
   }
   return out;
 }

@@ -27,33 +27,18 @@ struct Trace {
 // and `group_step[i]` (if given) are set before step i; `resume` is the step count before the first.
 std::vector<Trace> run_one_element(const Chain& chain, std::vector<double> ckp1 = {},
                                    std::vector<double> group_step = {}, int64_t resume = 0) {
-  Optimizer opt(chain, Backend::reference, 1);
-  const Program& prog = opt.plan().program;
-  float p = 1.0f, g = 0.0f;
-  std::vector<float> s(prog.states.size(), 0.0f);
-  TensorRef r;
-  r.group = 0;
-  r.param = Buffer{&p, 1, DType::f32};
-  r.grad = Buffer{&g, 1, DType::f32};
-  for (auto& x : s) r.states.push_back(Buffer{&x, 1, DType::f32});
-  init_host_states(opt.plan(), r);  // z starts as the parameter
-  opt.set_tensors({r});
+  OneElement e(chain);
+  Optimizer& opt = e.optimizer();
   if (resume) opt.set_step_count(0, resume);
-  auto at = [&](const std::string& name) {
-    for (size_t i = 0; i < prog.states.size(); ++i)
-      if (prog.states[i].qualified == "schedule_free_adamw." + name) return static_cast<double>(s[i]);
-    ADD_FAILURE() << "no state " << name;
-    return 0.0;
-  };
-  EXPECT_EQ(at("z"), 1.0);
+  auto at = [&](const std::string& name) { return e.state("schedule_free_adamw." + name); };
+  EXPECT_EQ(at("z"), 1.0);  // z starts as the parameter
   std::vector<Trace> out;
   const float grads[] = {1.0f, 2.0f, -1.0f};
   for (size_t i = 0; i < 3; ++i) {
     if (i < ckp1.size()) opt.set_hyper(0, "ckp1", ckp1[i]);
     if (i < group_step.size()) opt.set_hyper(0, "group_step", group_step[i]);
-    g = grads[i];
-    opt.step();
-    out.push_back({p, at("z"), at("exp_avg_sq")});
+    e.step(grads[i]);
+    out.push_back({e.param(), at("z"), at("exp_avg_sq")});
   }
   return out;
 }
