@@ -6,14 +6,16 @@ processes, with uneven shards and ranks whose shard of a tensor is empty.
 What is exact and why: each rank steps its local shards with the element-wise kernel, so every
 element sees the arithmetic the unsharded optimizer applies to it. The reference is therefore the
 same optfuse optimizer, unsharded, stepped on the same averaged gradients (each DTensor gradient's
-full_tensor()): parameters and states bitwise equal, 10 steps. torch.optim.AdamW(foreach=False) on
+full_tensor()): parameters and states bitwise equal, 10 steps. Chains with reductions (global-norm
+clip, Lamb, Lars, a non-finite skip) reduce over the mesh: their partial sums are cut at other
+places than the unsharded step's, so they are held to 1e-6 relative (bitwise on 1 rank), and an inf
+in one rank's shard skips the step on every rank. torch.optim.AdamW(foreach=False) on
 the same FSDP2 model is not bitwise optfuse (single roundings differ, docs/python.md "Numerics"):
 it is held to 1e-6 relative, and its state dict has the same keys, types (DTensor states with the
 parameter's placements) and shapes as ours. State dicts: the optimizer's own (DTensor states) into a
 new optimizer, and torch.distributed.checkpoint (get_optimizer_state_dict, dcp.save / dcp.load,
 set_optimizer_state_dict on a fresh optimizer, whose state is initialised by torch with a zero-grad
-step at lr=0) mid-run: training continues bitwise equal. Chains with reductions (global-norm clip,
-Lamb, Lars) are refused with the reason. Processes start with torch.multiprocessing, rendezvous
+step at lr=0) mid-run: training continues bitwise equal. Processes start with torch.multiprocessing, rendezvous
 through a file (no network), and are bounded by timeouts."""
 import json
 import os
@@ -46,11 +48,15 @@ CASES = [
     ("fuse(torch.optim.AdamW)", lambda oft, ps: oft.fuse(torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1))),
     ("fuse(torch.optim.SGD)", lambda oft, ps: oft.fuse(torch.optim.SGD(ps, lr=0.05, momentum=0.9))),
 ]
-REFUSED = [
+# (label, factory): chains with reductions, whose values must span every rank's shards
+REDUCING = [
     ("Lamb", lambda oft, ps: oft.Lamb(ps, lr=1e-2)),
     ("Lars", lambda oft, ps: oft.Lars(ps, lr=0.05, momentum=0.9)),
     ("clip + adamw", lambda oft, ps: oft.Fused("chain(clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", ps)),
+    ("skip nonfinite + clip + adamw", lambda oft, ps: oft.Fused(
+        "chain(skip_if_nonfinite(), clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", ps)),
 ]
+POISON_STEP = 4  # the non-finite case: an inf in the last rank's shard of the first weight's gradient
 
 
 def make_model(device="cpu"):
@@ -73,14 +79,17 @@ def data(rank, step, device="cpu"):
     return torch.randn(8, 20, generator=g).to(device), torch.randn(8, 1, generator=g).to(device)
 
 
-def train(model, opt, ref_model, ref, scheds, rank, start, stop):
-    """The FSDP2 loop; the reference steps on the averaged gradients FSDP2 produced (gathered)."""
+def train(model, opt, ref_model, ref, scheds, rank, start, stop, poison=None):
+    """The FSDP2 loop; the reference steps on the averaged gradients FSDP2 produced (gathered).
+    poison: (step, rank) whose local gradient shard of the first parameter gets an inf."""
     import torch.nn.functional as F
     device = next(ref_model.parameters()).device
     for s in range(start, stop):
         x, y = data(rank, s, device)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
+        if poison == (s, rank):
+            next(model.parameters()).grad._local_tensor.view(-1)[0] = float("inf")
         for p, q in zip(model.parameters(), ref_model.parameters()):
             q.grad = p.grad.full_tensor()  # a collective: every rank, same order
         opt.step()
@@ -180,10 +189,39 @@ def run_cases(rank, world, device, mesh, ckpt_dir, out):
               for p, q in zip(*(m.parameters() for m in models)))
     out["torch AdamW"] = dict(rel_err=err, same_layout=layout_of(opts[0].state_dict()) == layout_of(opts[1].state_dict()))
 
-    # refused: reductions over DTensor shards, Muon, ZeRO around DTensor parameters
+    # reductions over the mesh: against the unsharded optimizer on the same averaged gradients
+    for label, make in REDUCING:
+        ref_model = make_model(device)
+        model = shard(make_model(device), mesh)
+        opt, ref = make(oft, model.parameters()), make(oft, ref_model.parameters())
+        poison = (POISON_STEP, world - 1) if "nonfinite" in label else None
+        before = [q.detach().clone() for q in ref_model.parameters()]
+        skipped = None
+        for s in range(STEPS):
+            train(model, opt, ref_model, ref, [], rank, s, s + 1, poison)
+            if poison and s == POISON_STEP:  # the reference skipped: so must every rank
+                skipped = all(torch.equal(a, q) for a, q in zip(before, ref_model.parameters()))
+            before = [q.detach().clone() for q in ref_model.parameters()]
+        err = max(float((p.full_tensor() - q).abs().max() / q.abs().max())
+                  for p, q in zip(model.parameters(), ref_model.parameters()))
+        out["reducing " + label] = dict(
+            rel_err=err, params_equal=params_equal(model, ref_model), skipped=skipped,
+            moved=any(not torch.equal(p, q) for p, q in zip(ref_model.parameters(), make_model(device).parameters())))
+
+    # refused: a reducing chain over DTensor and plain parameters together, Muon, ZeRO around DTensors
     refusals = {}
-    for label, make in REFUSED + [("Muon", lambda oft, ps: oft.Muon([p for p in ps if p.dim() == 2], lr=0.02)),
-                                  ("ZeRO", lambda oft, ps: oft.distributed.ZeRO(oft.AdamW(ps, lr=1e-2)))]:
+    model, extra = shard(make_model(device), mesh), torch.nn.Parameter(torch.ones(3, device=device))
+    opt = oft.Fused("chain(clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", list(model.parameters()) + [extra])
+    x, y = data(rank, 0, device)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    extra.grad = torch.ones_like(extra)
+    try:
+        opt.step()
+        refusals["mixed"] = "no error"
+    except optfuse.OptfuseError as e:
+        refusals["mixed"] = str(e)
+    for label, make in [("Muon", lambda oft, ps: oft.Muon([p for p in ps if p.dim() == 2], lr=0.02)),
+                        ("ZeRO", lambda oft, ps: oft.distributed.ZeRO(oft.AdamW(ps, lr=1e-2)))]:
         model = shard(make_model(device), mesh)
         try:
             import optfuse.torch.distributed  # noqa: F401
@@ -232,9 +270,16 @@ def check(results, world):
         r = res["torch AdamW"]
         assert r["rel_err"] <= 1e-6, r
         assert r["same_layout"], "the state dict must look like torch.optim's with FSDP2"
+        for label, _ in REDUCING:
+            r = res["reducing " + label]
+            assert r["moved"], label
+            assert r["rel_err"] <= 1e-6, (world, rank, label, r)
+            if world == 1:  # the same chunks as the unsharded step
+                assert r["params_equal"], (rank, label, r)
+            if "nonfinite" in label:
+                assert r["skipped"] is True, (world, rank, label, "the reference did not skip the poisoned step")
         ref = res["refusals"]
-        for label, _ in REFUSED:
-            assert "reductions" in ref[label] and "DTensor" in ref[label] and "per-rank" in ref[label], (label, ref[label])
+        assert "plain tensors" in ref["mixed"] and "fully_shard" in ref["mixed"], ref["mixed"]
         assert "Newton-Schulz" in ref["Muon"], ref["Muon"]
         assert "already sharded" in ref["ZeRO"], ref["ZeRO"]
 

@@ -530,11 +530,6 @@ class FusedOptimizer(torch.optim.Optimizer):
             engine = (old if old is not None and old.chain_text == text
                       else Engine(chain, device, self._skips_only_on_found_inf, *storage))
             engine.chain_text = text
-            scopes = engine.core.plan.reduction_scopes
-            if scopes and dtensors:
-                for p, _, tg, _, lp in items:
-                    if lp is not p:
-                        raise _dtensor.reduction_error(type(self).__name__, scopes, p, tg)
             entries = []
             for p, grad, tg, w, lp in items:
                 # torch keeps no state entry for a parameter whose optimizer holds none (SGD
@@ -549,6 +544,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 entries.append((p, self._grad_for(lp, grad), states, tg, step, w, stochastic, self._rng_stream(p, w),
                                 self._ustates_of(p, st, engine)))
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
+            if engine.core.plan.reduction_scopes and any(lp is not p for p, _, _, _, lp in items):
+                _dtensor.set_mesh_exchange(type(self).__name__, engine)  # FSDP2: reductions over the mesh
             built = self.__dict__.get("_on_engine_built")  # a sharded optimizer sets its exchange
             if built is not None:
                 built(engine)

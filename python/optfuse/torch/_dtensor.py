@@ -5,9 +5,10 @@ The optimizer keeps the DTensors where torch.optim does (param_groups, the keys 
 created with `torch.empty_like(p)`: DTensors with the parameter's mesh, placements and global shape,
 so state dicts and torch.distributed.checkpoint see torch's format); the engine's tables get the
 local tensors (`_local_tensor`: pointer, numel, dtype). A rank whose shard is empty steps an empty
-entry. Only element-wise chains: a reduction (global-norm clip, Lamb's and Lars's per-tensor norms,
-a non-finite check) over local shards would be a per-rank value, so it is refused (see
-reduction_error).
+entry. A chain with reductions (global-norm clip, Lamb's and Lars's per-tensor norms, a non-finite
+check) reduces over the mesh through the step schedule's Exchange step (set_mesh_exchange): each
+rank's per-chunk partial sums are all-gathered, and every rank combines all of them in one fixed
+order (tensor by tensor, rank by rank), so every rank gets the same model-wide values.
 
 No DTensor can exist before torch.distributed.tensor is imported: until then the checks here cost
 one dict lookup and import nothing.
@@ -78,14 +79,92 @@ def as_state(t, p):
                  f"(local shard {tuple(p._local_tensor.shape)}): neither")
 
 
-def reduction_error(name, scopes, p, tg):
-    return _error(
-        f"{name}: the chain has reductions (scopes: {', '.join(sorted(set(map(str, scopes))))}) and the parameter of shape {tuple(p.shape)} (group {tg}) is a "
-        "DTensor (FSDP2 fully_shard). Each rank holds a shard cut at rows, not at optfuse's chunks, so a norm or "
-        "non-finite check over the local shards would be a per-rank value, not the model's; reductions across DTensor "
-        "shards are not built. Use an element-wise optimizer on DTensor parameters (clip with "
-        "torch.nn.utils.clip_grad_norm_, which reduces DTensor norms over the mesh, before step()), or "
-        "optfuse.torch.distributed.ZeRO, whose shards are cut at chunks and whose reductions are exact.")
+def _local_numels(p, name):
+    """Elements of DTensor p's local shard on each rank of its (1-D) mesh, in mesh order. A Shard(d)
+    placement cuts dim d as torch.chunk does (FSDP2's fully_shard: ceil(size / N) rows per rank, the
+    last ranks fewer or none); Replicate: the whole tensor everywhere."""
+    from torch.distributed.tensor import Replicate, Shard
+    mesh, (placement,) = p.device_mesh, p.placements
+    world = mesh.size()
+    if isinstance(placement, Replicate):
+        sizes = [p.numel()] * world
+    elif isinstance(placement, Shard):
+        d = placement.dim % p.dim()
+        rows = p.shape[d]
+        per = -(-rows // world) if rows else 0
+        inner = p.numel() // rows if rows else 0
+        sizes = [inner * max(0, min(rows, (r + 1) * per) - r * per) for r in range(world)]
+    else:
+        raise _error(f"{name}: the DTensor parameter of shape {tuple(p.shape)} has placement {placement}; a chain "
+                     "with reductions steps Shard(d) or Replicate parameters")
+    if sizes[mesh.get_local_rank()] != p._local_tensor.numel():
+        raise _error(f"{name}: the DTensor parameter of shape {tuple(p.shape)} ({placement}) holds "
+                     f"{p._local_tensor.numel()} elements on this rank, not the {sizes[mesh.get_local_rank()]} of an "
+                     "even torch.chunk split; a chain with reductions needs each rank's shard size")
+    return sizes
+
+
+def set_mesh_exchange(name, engine):
+    """Makes a reducing engine over DTensor parameters reduce over their device mesh.
+
+    The engine's per-chunk partial sums cover this rank's local shards. At every Exchange step the
+    ranks all-gather them, and each fills the *global* partials: per tensor (table order), the chunks
+    of every rank's shard in mesh order (a Replicate tensor: rank 0's only). Combine then sums each
+    tensor's span and the whole row in that order on every rank: the same values everywhere,
+    deterministic run to run. Not bitwise the unsharded step's (its chunks are cut elsewhere in the
+    tensor), which ZeRO's chunk-aligned shards are."""
+    from torch.distributed.tensor import Replicate
+    import torch.distributed as dist
+    params = engine.params
+    if not params:
+        return
+    plain = [p for p in params if not is_dtensor(p)]
+    if plain:
+        raise _error(f"{name}: the chain has reductions and steps DTensor parameters (FSDP2) together with plain "
+                     f"tensors (shape {tuple(plain[0].shape)}): a model-wide norm needs every parameter sharded over "
+                     "one device mesh; shard the whole model (fully_shard on the root module too)")
+    mesh = params[0].device_mesh
+    for p in params:
+        if p.device_mesh != mesh:
+            raise _error(f"{name}: the chain has reductions and its DTensor parameters live on different device "
+                         f"meshes ({mesh} and {p.device_mesh}); reductions over one mesh only")
+    if mesh.ndim != 1:
+        raise _error(f"{name}: the chain has reductions and the parameters' device mesh has {mesh.ndim} dimensions "
+                     f"({mesh}); reductions over a 1-D mesh (FSDP2 without HSDP) only")
+    chunk = engine.core.chunk_elements
+    world, me, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    # chunks[t][r]: rank r's local chunks of tensor t; local_first[r][t]: where they start in its table
+    chunks = [[-(-n // chunk) for n in _local_numels(p, name)] for p in params]
+    local_first = [[0] * len(params) for _ in range(world)]
+    for r in range(world):
+        at = 0
+        for t in range(len(params)):
+            local_first[r][t] = at
+            at += chunks[t][r]
+    width = max(1, max(sum(c[r] for c in chunks) for r in range(world)))
+    mine = sum(c[me] for c in chunks)
+    firsts, counts, source = [], [], []  # source: global chunk -> column of the gathered [world x width]
+    for t, p in enumerate(params):
+        firsts.append(len(source))
+        owners = [0] if isinstance(p.placements[0], Replicate) else range(world)
+        for r in owners:
+            source.extend(r * width + local_first[r][t] + k for k in range(chunks[t][r]))
+        counts.append(len(source) - firsts[-1])
+    cache = {}
+
+    def exchange(phase, rows, local, glob):
+        device = local.device
+        if device not in cache:
+            cache[device] = torch.tensor(source, dtype=torch.long, device=device)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        send = torch.zeros(len(rows), width, dtype=local.dtype, device=device)
+        send[:, :mine] = local.index_select(0, rows_t)
+        recv = [torch.empty_like(send) for _ in range(world)]
+        dist.all_gather(recv, send, group=group)
+        gathered = torch.cat(recv, dim=1)  # [rows, world x width]: rank r's columns at r * width
+        glob[rows_t] = gathered.index_select(1, cache[device])
+
+    engine.core._set_exchange(len(source), firsts, counts, exchange)
 
 
 def _error(msg):

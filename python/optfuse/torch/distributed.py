@@ -51,7 +51,7 @@ sharded_state_dict() / load_sharded_state_dict() go through torch.distributed.ch
 gathering: each per-element state of parameter i is a ShardedTensor of the parameter's flattened
 size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP reshards on load:
 saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
-local shards themselves (_dtensor.py); ZeRO refuses DTensor parameters.
+local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
 """
 import bisect
 import io
