@@ -252,9 +252,9 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   std::ostringstream s;
   s << "\n// phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
     << "__device__ __forceinline__ void of_phase" << i << "_v" << k
-    << "_chunk(const OfTensor& t, long long begin, int len, const float* u, double* acc, unsigned long long rng) {\n";
+    << "_chunk(const OfTensor& t, void* grad, long long begin, int len, const float* u, double* acc, unsigned long long rng) {\n";
   if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
-    s << "  (void)t; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
+    s << "  (void)t; (void)grad; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
     return s.str();
   }
   int narrow = pr.used[0];
@@ -270,7 +270,11 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     // In a register: t is in global memory, and its fields could be reloaded after every store.
     << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);  // the chunk's first element in the tensor\n"
     << "  (void)rng_first;\n";
-  for (int r : pr.used) s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)t.ptr[" << r << "] + begin;\n";
+  s << "  (void)grad;\n";
+  // The gradient's pointer comes from the table's tail (tensor_table.h), the others from t.
+  for (int r : pr.used)
+    s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)"
+      << (r == 1 ? std::string("grad") : "t.ptr[" + std::to_string(r) + "]") << " + begin;\n";
   // The vector path needs a head (elements before it) after which every role is 16-byte aligned.
   s << "  int head = (int)(((16u - (unsigned)((unsigned long long)" << nm(narrow) << "_p & 15u)) & 15u) / " << size(narrow)
     << "u);\n  const bool aligned = ((unsigned long long)" << nm(narrow) << "_p % " << size(narrow) << "u) == 0";
@@ -398,6 +402,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     << "    // The next chunk's descriptor is fetched while this one runs.\n"
     << "    const OfChunk next = c + gridDim.x < num_chunks ? chunks[c + gridDim.x] : ch;\n"
     << "    const OfTensor& t = tensors[ch.tensor];\n"
+    << "    void* const grad = ((void* const*)(tensors + num_tensors))[ch.tensor];  // the table's gradient tail\n"
     << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
     << (update ? "    if (uni[OF_DERIVED] == 0.0) {  // uniform over the block: a skipped group's chunks are passed over\n"
                : "    {\n");
@@ -415,7 +420,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     s << "    const unsigned long long rng = 0;\n";
   s << "    switch (t.variant) {\n";
   for (size_t k = 0; k < variants.size(); ++k)
-    s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, ch.begin, ch.length, u, acc, rng); break;\n";
+    s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) {
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;

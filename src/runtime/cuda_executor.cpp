@@ -8,7 +8,7 @@
 // tensor table) are copied into page-locked staging slots and queued on the stream (Uploader
 // below). Buffers a rebuild replaces are freed once the work queued before it has run. So a step
 // can be captured in a CUDA graph and replayed; a captured step also captures the upload of the
-// tensor table it was captured with, so replays use their own pointers whatever eager steps did
+// gradient pointers it was captured with, so replays use their own pointers whatever eager steps did
 // in between. The source holds no shapes, group count or hyperparameter values, so the NVRTC cache
 // has one entry per chain structure and device arch.
 //
@@ -284,7 +284,7 @@ class CudaExecutor : public Executor {
     chunks_ = std::move(chunk_buf);
     partials_ = std::move(partials);
     num_chunks_ = static_cast<long long>(chunks.size());
-    words_dirty_ = false;
+    table_dirty_ = grads_dirty_ = table_captured_ = false;
     uploads_.reserve_spare(words_.size() * sizeof(uint64_t));
     compute_grid();
   }
@@ -316,8 +316,25 @@ class CudaExecutor : public Executor {
     check_alignment(tensors);
     if (tensors.size() != ranges_.size()) return set_tensors(tensors);  // another tensor set: new chunks
     std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
+    // Rows that differ other than in their gradient word (a parameter or a state moved: the
+    // torch.compile path hands over copies) need the whole table; gradients alone only the tail.
+    const size_t row = 2 + static_cast<size_t>(plan_.num_states()) + kTensorTableExtraWords;
+    const size_t tail = grad_tail_word(ranges_.size(), plan_.num_states());
+    bool rows_changed = false;
+    for (size_t w = 0; w < tail && !rows_changed; ++w) rows_changed = w % row != 1 && words[w] != words_[w];
     words_ = std::move(words);
-    words_dirty_ = true;
+    grads_dirty_ = true;
+    if (rows_changed) {
+      table_dirty_ = true;
+      if (table_captured_) {
+        // A captured graph reads this table's rows at every replay: they stay as captured, and
+        // eager steps go on with a new table.
+        cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t));
+        graph_tables_.push_back(std::move(tensor_table_));
+        tensor_table_ = std::move(table);
+        table_captured_ = false;
+      }
+    }
   }
 
   void step(const StepInputs& in) override {
@@ -329,11 +346,21 @@ class CudaExecutor : public Executor {
       uploaded_.make_wait(s);
       stream_ = s;
     }
-    // A captured step carries its own tensor table (replays must not depend on what eager steps
-    // uploaded since); an eager step uploads it only when pointers changed.
-    if (words_dirty_ || capturing) {
+    // A captured step carries its own gradient pointers (replays must not depend on what eager
+    // steps uploaded since: 8 bytes per tensor, the table's tail); an eager step uploads them only
+    // when they changed, and the whole table only when other pointers did.
+    if (table_dirty_) {
       uploads_.upload(tensor_table_.ptr(), words_.data(), words_.size() * sizeof(uint64_t), s);
-      words_dirty_ = capturing;  // the capture has not changed the device copy yet
+    } else if (grads_dirty_ || capturing) {
+      const size_t tail = grad_tail_word(ranges_.size(), plan_.num_states());
+      uploads_.upload(tensor_table_.ptr() + tail * sizeof(uint64_t), words_.data() + tail,
+                      (words_.size() - tail) * sizeof(uint64_t), s);
+    }
+    if (capturing) {
+      table_captured_ = true;
+      grads_dirty_ = true;  // the capture has not changed the device copy yet (nor the rows, if dirty)
+    } else {
+      table_dirty_ = grads_dirty_ = false;
     }
     CUdeviceptr table = table_.ptr(), partials = partials_.ptr(), tensors = tensor_table_.ptr(), chunks = chunks_.ptr();
     CUdeviceptr sources = sources_.ptr(), tensor_reductions = tensor_reductions_.ptr();
@@ -439,7 +466,10 @@ class CudaExecutor : public Executor {
   cuda::DeviceBuffer table_, sources_, tensor_table_, chunks_, partials_, tensor_reductions_, counters_;
   std::vector<ChunkRange> ranges_;         // per tensor, its chunks (tensor-table words, per set_tensors)
   std::vector<uint64_t> words_;            // host copy of the tensor table
-  bool words_dirty_ = false;               // words_ differ from the device copy
+  bool table_dirty_ = false;               // words_' rows differ from the device copy
+  bool grads_dirty_ = false;               // words_' gradient tail (tensor_table.h) differs from the device copy
+  bool table_captured_ = false;            // a CUDA graph captured a step reading tensor_table_
+  std::vector<cuda::DeviceBuffer> graph_tables_;  // tables captured graphs read, replaced since
   long long num_chunks_ = 0;
   CUstream stream_ = nullptr;              // stream of the last step: uploads are queued on it
   Uploader uploads_;

@@ -6,7 +6,7 @@ std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, 
                                          const std::vector<ChunkRange>& ranges, const std::vector<int>& variants) {
   size_t roles = 2 + static_cast<size_t>(num_states);
   std::vector<uint64_t> words;
-  words.reserve(tensors.size() * (roles + kTensorTableExtraWords));
+  words.reserve(tensors.size() * (roles + kTensorTableExtraWords + 1));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorRef& t = tensors[i];
     words.push_back(reinterpret_cast<uint64_t>(t.param.data));
@@ -19,6 +19,7 @@ std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, 
     words.push_back(t.rng_key);
     words.push_back(static_cast<uint64_t>(t.rng_offset));
   }
+  for (const TensorRef& t : tensors) words.push_back(reinterpret_cast<uint64_t>(t.grad.data));
   return words;
 }
 

@@ -5,7 +5,10 @@
 //   word[0..R)  role pointers   word[R]  numel   word[R+1]  group | variant << 32
 //   word[R+2]   first_chunk | num_chunks << 32   (its chunks are contiguous in the chunk list)
 //   word[R+3]   rng_key         word[R+4]  rng_offset
-// The generated struct OfTensor (codegen/abi.cpp) matches.
+// The generated struct OfTensor (codegen/abi.cpp) matches. After the T rows, a tail of T words: each
+// tensor's gradient pointer again, densely. The CUDA kernels read gradients from the tail, so the
+// step of a loop that gives new gradient tensors every step (zero_grad, backward) uploads 8 bytes
+// per tensor rather than the whole table; host drivers read word[1].
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -16,6 +19,11 @@
 namespace optfuse {
 
 constexpr size_t kTensorTableExtraWords = 5;  // words after the role pointers
+
+// Index of the first word of the gradient-pointer tail (after every tensor's row).
+inline size_t grad_tail_word(size_t num_tensors, int num_states) {
+  return num_tensors * (2 + static_cast<size_t>(num_states) + kTensorTableExtraWords);
+}
 
 // `ranges` (chunk_ranges) is computed once per tensor set: rebuilding the table for new gradient
 // pointers (every step of a zero_grad loop) stays linear in the tensors, not the chunks.

@@ -110,9 +110,11 @@ TEST(TensorTable, ChunkRangesGiveEachTensorItsChunks) {
   EXPECT_EQ(r[3].count, 1u);
   std::vector<uint64_t> words = build_tensor_table(ts, 0, r, std::vector<int>(ts.size(), 0));
   const size_t row = 2 + kTensorTableExtraWords;  // param, grad pointers; numel; group|variant; chunk range; rng key, offset
-  ASSERT_EQ(words.size(), 4 * row);
+  ASSERT_EQ(words.size(), 4 * row + 4);  // and the gradient-pointer tail
   EXPECT_EQ(words[2 * row + 4], uint64_t{2} | (uint64_t{3} << 32));
   EXPECT_EQ(words[3 * row + 4], uint64_t{5} | (uint64_t{1} << 32));
+  EXPECT_EQ(grad_tail_word(4, 0), 4 * row);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(words[4 * row + i], reinterpret_cast<uint64_t>(ts[i].grad.data));
 }
 
 TEST(TensorScopePlan, GlobalAndTensorSumsShareOnePass) {

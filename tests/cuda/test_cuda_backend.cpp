@@ -352,6 +352,45 @@ TEST(CudaBackend, CapturedStepKeepsTheGradientsItWasCapturedWith) {
   EXPECT_TRUE(same_bytes(*t.ha, *t.hb));
 }
 
+// Every pointer of a set (the torch.compile path: set_pointers with copies of the parameters and
+// states), as set_pointers takes them.
+void point_at(Optimizer& o, const DeviceTensorSet& d) {
+  std::vector<const void*> params, grads, states;
+  for (const TensorRef& r : d.refs()) {
+    params.push_back(r.param.data);
+    grads.push_back(r.grad.data);
+    for (const Buffer& b : r.states) states.push_back(b.data);
+  }
+  o.set_pointers(params, grads, states);
+}
+
+TEST(CudaBackend, CapturedStepKeepsTheTensorsItWasCapturedWith) {
+  REQUIRE_GPU();
+  // Eager steps that move every pointer (not only gradients) after a capture: the graph still
+  // steps the tensors it was captured with (its table rows stay; eager steps get a new table).
+  Twin t(adamw({{"lr", 1e-2}}), DType::f32, kSpecs);
+  HostTensorSet moved = *t.hb;
+  moved.randomize_grads(78);
+  DeviceTensorSet other_a(moved, t.stream.get()), other_b(moved, t.stream.get());
+  cu::begin_capture(t.stream.get());
+  t.b->step(t.in());
+  cu::Graph graph = cu::end_capture(t.stream.get());
+  point_at(*t.b, other_b);
+  t.b->step(t.in());             // eager: the other tensors (step 1)
+  graph.launch(t.stream.get());  // replay: the captured tensors (step 2)
+  point_at(*t.a, other_a);
+  t.a->step(t.in());
+  point_at(*t.a, *t.da);
+  t.a->step(t.in());
+  t.download();
+  EXPECT_TRUE(same_bytes(*t.ha, *t.hb));
+  HostTensorSet got_a = moved, got_b = moved;
+  other_a.download(got_a);
+  other_b.download(got_b);
+  EXPECT_TRUE(same_bytes(got_a, got_b));
+  EXPECT_FALSE(same_bytes(got_b, moved));  // the eager step moved them
+}
+
 TEST(CudaBackend, BoundHyperparameterIsReadAtEveryGraphReplay) {
   REQUIRE_GPU();
   // A scheduler's lr.fill_() on the stream between replays: the kernel reads the bound scalar.
