@@ -113,7 +113,9 @@ def same_state(sd, ref_sd):
             return False
         for name, v in st.items():
             if torch.is_tensor(v):
-                if not torch.equal(full(v), ref_st[name]):
+                # (on CUDA, a 0-dim state loaded through DCP may sit on the device, the reference's on the
+                # CPU, as torch.optim's would: values are compared)
+                if not torch.equal(full(v).cpu(), ref_st[name].cpu()):
                     return False
             elif v != ref_st[name]:
                 return False

@@ -289,12 +289,15 @@ def cuda_worker(rank, world, init_file, out_dir):
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     out = {}
-    for label, make in [("Lamb", lambda ps: oft.Lamb(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)),
-                        ("clip + adamw", lambda ps: oft.Fused("chain(clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", ps)),
-                        ("AdamW", lambda ps: oft.AdamW(ps, lr=1e-2))]:
+    cases = [("Lamb", lambda ps: oft.Lamb(ps, lr=1e-2, weight_decay=0.01, max_grad_norm=0.5)),
+             ("clip + adamw", lambda ps: oft.Fused("chain(clip_by_global_norm(max_norm=0.05), adamw(lr=0.01))", ps)),
+             ("AdamW", lambda ps: oft.AdamW(ps, lr=1e-2))]
+    # stage 2: the same gradients on every rank, reduce-scattered (averaged) by ZeRO at step()
+    for stage, (label, make) in [(st, c) for st in (1, 2) for c in cases]:
+        label = f"stage {stage} {label}"
         model = make_model().cuda()
         ref_model = copy.deepcopy(model)
-        zero, ref = ZeRO(make(model.parameters())), make(ref_model.parameters())
+        zero, ref = ZeRO(make(model.parameters()), stage=stage), make(ref_model.parameters())
         for s in range(STEPS):
             g = torch.Generator(device="cuda").manual_seed(s)  # the same "averaged" gradients on every rank
             for p, q in zip(model.parameters(), ref_model.parameters()):
