@@ -300,11 +300,15 @@ def run_variant(variant, shapes, dtype, device, world, cfg, traffic, dist, chunk
         per_step.append(dict(sent=float(sent), recv=float(recv)))
         unmodelled = sorted(k for k in rec if k not in COUNTED)
         if unmodelled:
-            bad.append(f"step {s}: unmodelled collective(s) {unmodelled}")
+            bad.append((s, f"unmodelled collective(s) {unmodelled}"))
         for what, v in (("sent", sent), ("received", recv)):
             if not (0 <= v - model <= tol):
-                bad.append(f"step {s}: {float(v):.0f} B {what}, model {float(model):.0f} B "
-                           f"(difference {float(v - model):+.0f} B, tolerance 0..{tol} B)")
+                bad.append((s, f"{float(v):.0f} B {what}, model {float(model):.0f} B "
+                                f"(difference {float(v - model):+.0f} B, tolerance 0..{tol} B)"))
+    steps_of = {}
+    for s, m in bad:
+        steps_of.setdefault(m, []).append(s)
+    bad = [f"{m} (step{'s' if len(at) > 1 else ''} {', '.join(map(str, at))})" for m, at in steps_of.items()]
     last = counts[-1]
     sent = sum((e["sent"] for e in last.values()), Fraction(0))
     del opt, inner, params, pflat, gflat, local, buckets, gviews
@@ -381,17 +385,25 @@ def spawn(world, cfg, timeout):
                     failure = f"{world} ranks did not finish within {timeout} s (--timeout)"
                     break
         except Exception as e:  # a rank raised or died: the others are terminated by join
-            failure = f"a rank failed: {e}"
+            failure = e
         outs = []
         for r in range(world):
             path = os.path.join(run_dir, f"rank{r}.json")
             outs.append(json.load(open(path)) if os.path.exists(path) else None)
         if failure:
             errors = "".join(f"\n--- rank {o['rank']}:\n{o['error']}" for o in outs if o and o["error"])
-            raise RuntimeError(failure + errors)
+            if isinstance(failure, Exception):  # the ranks' own tracebacks where they wrote them
+                failure = "a rank failed" + (errors if errors else f": {failure}")
+            else:
+                failure += errors
+            raise RuntimeError(failure)
         return outs
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def machine_info(device):
@@ -402,7 +414,7 @@ def machine_info(device):
     except OSError:
         pass
     info = dict(host=platform.node(), platform=platform.platform(), python=platform.python_version(),
-                cpu=cpu, cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+                cpu=cpu, cores=cpu_cores(),
                 torch=torch.__version__)
     try:
         import optfuse
@@ -487,7 +499,7 @@ def main(argv=None):
         raise SystemExit("this torch build has no gloo backend")
     workloads = parse_workloads(a.workloads or (CUDA_DEFAULT_WORKLOADS if a.device == "cuda"
                                                 else CPU_DEFAULT_WORKLOADS), a.scale)
-    cores = machine_info(a.device)["cores"] or 1
+    cores = cpu_cores()
 
     rows, per_rank, failures = [], [], []
     for n in ranks:
