@@ -424,7 +424,12 @@ class PyOptimizer {
 
 class GradWatch {
  public:
-  explicit GradWatch(std::vector<nb::object> params) : params_(std::move(params)) {
+  // offsets: bytes added to each gradient's data pointer (ZeRO's pieces: a piece's gradient is its
+  // parameter's, `begin` elements in); none: 0.
+  GradWatch(std::vector<nb::object> params, std::vector<int64_t> offsets)
+      : params_(std::move(params)), offsets_(std::move(offsets)) {
+    if (offsets_.empty()) offsets_.assign(params_.size(), 0);
+    if (offsets_.size() != params_.size()) throw Error("_GradWatch: one offset per parameter");
     refs_.resize(params_.size());
     ptrs_.assign(params_.size(), 0);
     has_.assign(params_.size(), false);
@@ -452,7 +457,7 @@ class GradWatch {
       if (!is_contiguous) return 2;
       PyObject* ptr = PyObject_CallMethodNoArgs(g, name_data_ptr_.ptr());
       if (!ptr) throw nb::python_error();
-      ptrs_[i] = PyLong_AsUnsignedLongLong(ptr);
+      ptrs_[i] = PyLong_AsUnsignedLongLong(ptr) + static_cast<uint64_t>(offsets_[i]);
       Py_DECREF(ptr);
       if (PyErr_Occurred()) throw nb::python_error();
       refs_[i] = weak(grad);
@@ -471,7 +476,7 @@ class GradWatch {
       ptrs_[i] = 0;
       if (has_[i]) {
         try {
-          ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)());
+          ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)()) + static_cast<uint64_t>(offsets_[i]);
         } catch (nb::python_error&) {  // e.g. a sparse gradient: the caller reports it by name
         }
       }
@@ -510,6 +515,7 @@ class GradWatch {
   }
 
   std::vector<nb::object> params_, refs_;
+  std::vector<int64_t> offsets_;
   std::vector<uint64_t> ptrs_;
   std::vector<bool> has_;
   nb::object name_grad_, name_data_ptr_, name_is_contiguous_;
@@ -591,7 +597,7 @@ void bind_optimizer(nb::module_& m) {
       .def("_set_exchange", &PyOptimizer::set_exchange, "global_chunks"_a, "firsts"_a, "counts"_a, "fn"_a.none());
 
   nb::class_<GradWatch>(m, "_GradWatch")
-      .def(nb::init<std::vector<nb::object>>(), "params"_a)
+      .def(nb::init<std::vector<nb::object>, std::vector<int64_t>>(), "params"_a, "offsets"_a = std::vector<int64_t>())
       .def("check", &GradWatch::check)
       .def("snapshot", &GradWatch::snapshot)
       .def("pointers", [](const GradWatch& w) { return w.pointers(); })

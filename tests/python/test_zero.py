@@ -423,7 +423,8 @@ def traffic_worker(rank, world, init_file, out_dir):
     def nbytes(t):
         return t.numel() * t.element_size()
 
-    real = dict(all_gather=dist.all_gather, reduce_scatter_tensor=dist.reduce_scatter_tensor, all_reduce=dist.all_reduce)
+    real = dict(all_gather=dist.all_gather, all_gather_into_tensor=dist.all_gather_into_tensor,
+                reduce_scatter_tensor=dist.reduce_scatter_tensor, all_reduce=dist.all_reduce)
 
     class Counting:
         def __getattr__(self, name):
@@ -432,6 +433,10 @@ def traffic_worker(rank, world, init_file, out_dir):
         def all_gather(self, out, t, group=None):
             sent["bytes"] += (world - 1) * nbytes(t)
             return real["all_gather"](out, t, group=group)
+
+        def all_gather_into_tensor(self, out, t, group=None):
+            sent["bytes"] += (world - 1) * nbytes(t)
+            return real["all_gather_into_tensor"](out, t, group=group)
 
         def reduce_scatter_tensor(self, out, t, group=None):
             sent["bytes"] += (world - 1) * nbytes(out)

@@ -497,11 +497,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(g)
         params = [p for g in groups for p in g["params"]]
         dtensors = [p for p in params if _dtensor.is_dtensor(p)]
-        # A DTensor parameter (FSDP2) is watched through its local gradient shard: snapshot() and
-        # check() then give the tensors the kernel reads.
-        self._watch = _core._GradWatch([_dtensor.LocalGrad(p) if _dtensor.is_dtensor(p) else p for p in params]
-                                       if dtensors else params)
-        grads = self._watch.snapshot()
+        grads = self._watch_gradients(params, dtensors)
         buckets = {}
         w = 0
         for tg, g in enumerate(groups):
@@ -561,6 +557,29 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._graph = None if dtensors else self._make_graph_layout(groups)
         self._dtensor_locals = [(p, p._local_tensor) for p in dtensors]
         self._of_dirty = False
+
+    def _watch_gradients(self, params, dtensors):
+        """Makes the GradWatch that each step() asks whether gradients moved; returns each parameter's
+        gradient (None where absent) as the kernel reads it.
+        - A DTensor parameter (FSDP2) is watched through its local gradient shard.
+        - A ZeRO stage-1 piece (`_grad_sources`: id(piece) -> (parameter, first element)) is watched
+          through its parameter's gradient at the piece's offset: no view per piece and step."""
+        sources = self.__dict__.get("_grad_sources")
+        if sources is None:
+            self._watch = _core._GradWatch([_dtensor.LocalGrad(p) if _dtensor.is_dtensor(p) else p for p in params]
+                                           if dtensors else params)
+            return self._watch.snapshot()
+        whole = [sources[id(p)][0] for p in params]
+        self._watch = _core._GradWatch(whole, [sources[id(p)][1] * p.element_size() for p in params])
+        grads = []
+        for p, q, g in zip(params, whole, self._watch.snapshot()):
+            if g is not None:
+                if not g.is_contiguous():
+                    raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)}, strides {g.stride()})")
+                begin = sources[id(p)][1]
+                g = g.view(-1)[begin:begin + p.numel()]
+            grads.append(g)
+        return grads
 
     def _rng_stream(self, p, w):
         """Stochastic rounding's stream of parameter p (its position w among all parameters): the key

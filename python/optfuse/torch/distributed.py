@@ -189,6 +189,8 @@ class ZeRO(torch.optim.Optimizer):
                       for dtype, per_rank in self._layout.items()}
         self._device = params[0].device if params else torch.device("cpu")
         self._clip_coef = None  # clip_grad_norm_'s coefficient, applied by the next step
+        self._gather = {}  # dtype -> the all-gather buffer and its views (_gather_buffer)
+        self._all_gather_into = None  # whether the backend has all_gather_into_tensor: found out on first use
         if self.stage == 2:
             # This rank's averaged gradients (1/N of them): one flat buffer per dtype, and a view of it
             # per piece, which is the piece's .grad (the same tensors every step).
@@ -201,6 +203,8 @@ class ZeRO(torch.optim.Optimizer):
                     self._grad_views[id(pc.view)] = buf[at:at + pc.end - pc.begin]
                     at += pc.end - pc.begin
             self._reduce_scatter = None  # whether the backend has reduce_scatter_tensor: found out on first use
+            self._send = {}  # dtype -> (send buffer, its views of the pieces): _send_buffer
+            self._present = None  # which parameters had a gradient on some rank at the last reduction
             self._reduced = False
         mine = {id(pc.param): pc for pc in self._mine}
         inner_groups = []
@@ -217,6 +221,8 @@ class ZeRO(torch.optim.Optimizer):
         # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
         self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
         self._inner._on_engine_built = self._set_exchange
+        if self.stage == 1:
+            self._inner._grad_sources = {id(pc.view): (pc.param, pc.begin) for pc in self._mine}
 
     def _set_exchange(self, engine):
         """After the inner optimizer built an engine over its pieces: if its chain has reductions, make
@@ -303,12 +309,8 @@ class ZeRO(torch.optim.Optimizer):
                 # an inf or NaN (a step that some ranks skip would hang the all-gather).
                 found_inf = found_inf.clone()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
-        else:
-            for pc in self._mine:
-                g = pc.param.grad
-                if g is not None and not g.is_contiguous():
-                    raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)})")
-                pc.view.grad = None if g is None else g.view(-1)[pc.begin:pc.end]
+        # stage 1: the inner optimizer reads each piece's gradient from its parameter's .grad, at the
+        # piece's offset (_grad_sources): nothing to do per piece here
         if self._clip_coef is not None:  # clip_grad_norm_ since the last step: g * coef = g / (1 / coef)
             scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=self._device)
             grad_scale = (scale / self._clip_coef).reshape(())
@@ -383,54 +385,82 @@ class ZeRO(torch.optim.Optimizer):
     def _reduce_gradients(self):
         """Stage 2: every rank's local gradients into the owners' shards, averaged: summed over ranks,
         then divided by the world size in the gradients' dtype. One collective per dtype
-        over a [world, n] buffer whose row r is rank r's pieces in flat order (padded with zeros)."""
+        over a [world, n] buffer whose row r is rank r's pieces in flat order (padded with zeros).
+        (torch checks a gradient's shape and dtype against its parameter's when it is set.)"""
         params = self._params()
-        for p in params:
-            g = p.grad
-            if g is None:
-                continue
-            if g.is_sparse or not g.is_contiguous() or g.shape != p.shape or g.dtype != p.dtype:
-                raise OptfuseError(f"ZeRO stage 2: gradients must be dense, contiguous and of their parameter's shape "
-                                   f"and dtype (parameter {tuple(p.shape)} {p.dtype}, gradient {tuple(g.shape)} "
-                                   f"{g.dtype}{', sparse' if g.is_sparse else ''})")
+        grads = [p.grad for p in params]
         # Which parameters have a gradient on any rank (a rank without one adds zeros; a parameter
         # without a gradient anywhere is not stepped, as unsharded): one small all_reduce.
-        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self._device)
+        present = [g is not None for g in grads]
         if self.world > 1:
+            has = torch.tensor(present, dtype=torch.int32, device=self._device)
             dist.all_reduce(has, group=self.process_group)
-        present = [bool(h) for h in has.tolist()]
-        index = self._param_index
-        for dtype, per_rank in self._layout.items():
-            n = self._rows[dtype]
-            shard = self._grad_shards[dtype]
-            if n == 0:
+            present = [bool(h) for h in has.tolist()]
+        for dtype in self._layout:
+            if self._rows[dtype] == 0:
                 continue
-            if self.world == 1:
-                send = shard.view(1, n)
-            else:
-                send = torch.empty(self.world, n, dtype=dtype, device=self._device)
-            for r, pieces in enumerate(per_rank):
+            send, slots = self._send_buffer(dtype)
+            # Every rank's pieces of the local gradients into their rows: one multi-tensor copy
+            # (a piece that is a whole parameter copies the gradient as it is shaped; a cut one, the
+            # slice), zeros where a parameter has no gradient here.
+            dst, src, zero = [], [], []
+            for i, pc, view, whole in slots:
+                g = grads[i]
+                if g is None:
+                    zero.append(view)
+                    continue
+                if not whole:
+                    if g.is_sparse or not g.is_contiguous():
+                        raise self._grad_error(pc.param, g)
+                    g = g.view(-1)[pc.begin:pc.end]
+                dst.append(view)
+                src.append(g)
+            if dst:
+                try:
+                    torch._foreach_copy_(dst, src)
+                except RuntimeError:
+                    for g, p in zip(grads, params):
+                        if g is not None and g.is_sparse:
+                            raise self._grad_error(p, g) from None
+                    raise
+            if zero:
+                torch._foreach_zero_(zero)
+            if self.world > 1:
+                self._reduce_scatter_into(self._grad_shards[dtype], send)
+            self._grad_shards[dtype].div_(self.world)
+        if present != self._present:  # a piece's .grad: its view of the shard, or None (not stepped)
+            index = self._param_index
+            for pc in self._mine:
+                pc.view.grad = self._grad_views[id(pc.view)] if present[index[id(pc.param)]] else None
+            self._present = present
+
+    @staticmethod
+    def _grad_error(p, g):
+        return OptfuseError(f"ZeRO stage 2: gradients must be dense, and contiguous where a shard cuts the parameter "
+                            f"(parameter {tuple(p.shape)} {p.dtype}, gradient {tuple(g.shape)} strides {g.stride()}"
+                            f"{', sparse' if g.is_sparse else ''})")
+
+    def _send_buffer(self, dtype):
+        """Stage 2: the [world, n] buffer gradients are reduce-scattered from (this rank's shard itself
+        on one rank), kept across steps with a view per piece (shaped as its parameter where the
+        piece is the whole parameter), so a step makes no view per piece. Padding stays zero."""
+        cached = self._send.get(dtype)
+        if cached is None:
+            n = self._rows[dtype]
+            send = (self._grad_shards[dtype].view(1, n) if self.world == 1
+                    else torch.zeros(self.world, n, dtype=dtype, device=self._device))
+            slots = []  # (parameter index, piece, its view of the buffer, whether it is the whole parameter)
+            for r, pieces in enumerate(self._layout[dtype]):
                 at = 0
                 for pc in pieces:
                     k = pc.end - pc.begin
                     if k:
-                        g = pc.param.grad
-                        if g is None:
-                            send[r, at:at + k].zero_()
-                        else:
-                            send[r, at:at + k].copy_(g.view(-1)[pc.begin:pc.end])
+                        view, whole = send[r, at:at + k], k == pc.param.numel()
+                        slots.append((self._param_index[id(pc.param)], pc, view.view(pc.param.shape) if whole else view,
+                                      whole))
                     at += k
-                send[r, at:].zero_()
-            if self.world > 1:
-                self._reduce_scatter_into(shard, send)
-            shard.div_(self.world)
-        for pc in self._mine:
-            v = self._grad_views[id(pc.view)]
-            if present[index[id(pc.param)]]:
-                if pc.view.grad is not v:
-                    pc.view.grad = v
-            else:
-                pc.view.grad = None
+            cached = self._send[dtype] = (send, slots)
+        return cached
 
     def _reduce_scatter_into(self, out, send):
         """out = this rank's row of the sum of every rank's `send` ([world, n])."""
@@ -453,25 +483,51 @@ class ZeRO(torch.optim.Optimizer):
             out.copy_(send[self.rank])
 
     def _all_gather_params(self):
-        """Every rank's pieces to every rank: one all_gather per dtype of equal-length (padded) buffers."""
-        for dtype, per_rank in self._layout.items():
-            n = self._rows[dtype]
-            if n == 0 or self.world == 1:
+        """Every rank's pieces to every rank: one all_gather per dtype of equal-length (padded) rows of a
+        [world, n] buffer kept across steps, and one multi-tensor copy in and one out (views made once)."""
+        if self.world == 1:
+            return
+        for dtype in self._layout:
+            if self._rows[dtype] == 0:
                 continue
-            size = sum(pc.end - pc.begin for pc in per_rank[self.rank])
-            send = torch.zeros(n, dtype=dtype, device=self._device)
-            if size:
-                torch.cat([pc.view for pc in per_rank[self.rank]], out=send[:size])
-            recv = [torch.empty(n, dtype=dtype, device=self._device) for _ in range(self.world)]
-            dist.all_gather(recv, send, group=self.process_group)
-            for r, pieces in enumerate(per_rank):
-                if r == self.rank:
-                    continue
+            gather, mine, theirs = self._gather_buffer(dtype)
+            row = gather[self.rank]
+            if mine[0]:
+                torch._foreach_copy_(mine[0], mine[1])  # this rank's pieces into its row
+            if self._all_gather_into is not False:
+                try:
+                    dist.all_gather_into_tensor(gather.view(-1), row, group=self.process_group)
+                    self._all_gather_into = True
+                except (RuntimeError, NotImplementedError, AttributeError, ValueError):
+                    if self._all_gather_into:
+                        raise
+                    self._all_gather_into = False  # a backend without it (older gloo): the list form
+            if self._all_gather_into is False:
+                dist.all_gather(list(gather.unbind(0)), row.clone(), group=self.process_group)
+            if theirs[0]:
+                torch._foreach_copy_(theirs[0], theirs[1])  # the other ranks' pieces into the parameters
+
+    def _gather_buffer(self, dtype):
+        """(the [world, n] all-gather buffer, (this rank's row views, its pieces), (the pieces of other
+        ranks, their row views)), made once per dtype."""
+        cached = self._gather.get(dtype)
+        if cached is None:
+            gather = torch.zeros(self.world, self._rows[dtype], dtype=dtype, device=self._device)
+            mine, theirs = ([], []), ([], [])
+            for r, pieces in enumerate(self._layout[dtype]):
                 at = 0
                 for pc in pieces:
                     k = pc.end - pc.begin
-                    pc.view.copy_(recv[r][at:at + k])
+                    if k:
+                        if r == self.rank:
+                            mine[0].append(gather[r, at:at + k])
+                            mine[1].append(pc.view)
+                        else:
+                            theirs[0].append(pc.view)
+                            theirs[1].append(gather[r, at:at + k])
                     at += k
+            cached = self._gather[dtype] = (gather, mine, theirs)
+        return cached
 
     def state_dict(self):
         """The unsharded state dict in the wrapped optimizer's (torch's) format, on every rank. The
