@@ -31,12 +31,14 @@ rendezvous, ZeRO's construction (all_gather_object), protocol headers; what the 
 on the wire may differ (gloo's and NCCL's algorithms for small buffers, NCCL's trees).
 
 Model, per rank and step (P parameter elements in T tensors, g / p bytes per gradient / parameter
-element, S the largest shard's elements: ZeRO pads every rank's row to it; the shards come from
-optfuse.torch.distributed.shard_ranges, cut at tensor starts or 16384-element chunks on CPU):
+element, S the largest rank's elements: ZeRO pads every rank's all-gather row to it; stage 2 groups
+the tensors into B buckets of 25 MB, each cut into one range per rank, R the sum over buckets of each
+bucket's longest range; the ranges come from optfuse.torch.distributed.shard_ranges, cut at tensor
+starts or 16384-element chunks on CPU):
   DDP all_reduce:            2 (N-1)/N x P x g
   stage 1:                   DDP all_reduce + (N-1) x S x p            (all_gather of the parameters)
-  stage 2:                   (N-1) x S x (g + p)                       (reduce_scatter + all_gather)
-                             + 2 (N-1)/N x 4 x T                       (all_reduce of int32 gradient flags)
+  stage 2:                   (N-1) x (R x g + S x p)                   (reduce_scatters + all_gather)
+                             + 2 (N-1)/N x 4 x (T + B)                 (all_reduce of int32 flags)
   "ideal" (unpadded shards): DDP 2 (N-1)/N P g; stage 1 DDP + (N-1)/N P p; stage 2 (N-1)/N P (g + p)
   (S exceeds P/N by less than one chunk.) Where the backend lacks reduce_scatter_tensor, ZeRO falls
   back to an all_reduce of its [N, S] buffer: 2 (N-1) x S x g; the row then says "fallback".
@@ -107,7 +109,8 @@ Bytes per rank per step, counted at torch.distributed's collectives from the siz
 they are given, as a ring algorithm moves them (sent = received): all_reduce of B bytes 2(N-1)/N B;
 all_gather of an S-byte tensor (N-1) S; reduce_scatter into an S-byte output (N-1) S. Not counted:
 rendezvous, construction, headers. Model: DDP 2(N-1)/N P g; zero1 DDP + (N-1) S p; zero2
-(N-1) S (g+p) + 2(N-1)/N 4T (gradient flags); S = largest shard (padded row), "ideal" uses P/N.
+(N-1) (R g + S p) + 2(N-1)/N 4(T+B) (flags); S = largest shard (padded row), R = bucket rows
+(B 25 MB buckets), "ideal" uses P/N.
 Tolerance: exact, except clip rows: + the partial-sum exchange, 0..(N-1) x 8 B x C per reduction
 (C = the largest rank's chunks)."""
 
@@ -189,23 +192,38 @@ def state_bytes(state):
                if torch.is_tensor(v) and v.dim() > 0)
 
 
+def buckets_of(sizes, elem_bytes, cap_bytes):
+    """ZeRO stage 2's buckets (one dtype): consecutive tensors up to cap_bytes, a larger one alone."""
+    out = []
+    for n in sizes:
+        if not out or (cap_bytes is not None and sum(out[-1]) and (sum(out[-1]) + n) * elem_bytes > cap_bytes):
+            out.append([])
+        out[-1].append(n)
+    return out
+
+
 def traffic_model(stage, allreduce, clip, sizes, world, gbytes, pbytes, chunk, reduce_scatter):
-    """{term: bytes} of the exact model, its ideal (unpadded) value, and the tolerance above it."""
+    """{term: bytes} of the exact model, its ideal (unpadded) value, and the tolerance above it.
+    Stage 2 cuts each bucket into one range per rank (stage 1: one bucket); the all-gather's row is
+    the largest rank's total, the reduce-scatters' rows each bucket's longest range."""
     from optfuse.torch.distributed import shard_ranges
     n = world
     P, T = sum(sizes), len(sizes)
-    ranges = shard_ranges(sizes, n, chunk)
-    S = max(b - a for a, b in ranges)
+    buckets = buckets_of(sizes, gbytes, BUCKET_BYTES if stage == 2 else None)
+    per_bucket = [shard_ranges(b, n, chunk) for b in buckets]
+    S = max(sum(rs[r][1] - rs[r][0] for rs in per_bucket) for r in range(n))
+    rows = sum(max(hi - lo for lo, hi in rs) for rs in per_bucket)
     terms, ideal = {}, Fraction(0)
     if allreduce:
         terms["all_reduce grads"] = Fraction(2 * (n - 1), n) * P * gbytes
         ideal += terms["all_reduce grads"]
     if stage == 2:
         if reduce_scatter:
-            terms["reduce_scatter grads"] = Fraction((n - 1) * S * gbytes)
+            terms["reduce_scatter grads"] = Fraction((n - 1) * rows * gbytes)
         else:
-            terms["all_reduce [N,S] grads (fallback)"] = Fraction(2 * (n - 1), n) * n * S * gbytes
-        terms["all_reduce grad flags"] = Fraction(2 * (n - 1), n) * 4 * T
+            terms["all_reduce [N,row] grads (fallback)"] = Fraction(2 * (n - 1), n) * n * rows * gbytes
+        # which parameters have gradients, which buckets are sent again
+        terms["all_reduce flags"] = Fraction(2 * (n - 1), n) * 4 * (T + len(buckets))
         ideal += Fraction(n - 1, n) * P * gbytes
     if stage in (1, 2):
         terms["all_gather params"] = Fraction((n - 1) * S * pbytes)
@@ -214,17 +232,19 @@ def traffic_model(stage, allreduce, clip, sizes, world, gbytes, pbytes, chunk, r
     chunks = 0
     if stage and clip:
         # the largest rank's chunk count over its pieces (each piece's chunks, the last partial one too)
-        start = 0
         per_rank = [0] * n
-        for size in sizes:
-            for r, (a, b) in enumerate(ranges):
-                lo, hi = max(a, start), min(b, start + size)
-                if lo < hi:
-                    per_rank[r] += -(-(hi - lo) // chunk)
-            start += size
+        for bucket, ranges in zip(buckets, per_bucket):
+            start = 0
+            for size in bucket:
+                for r, (a, b) in enumerate(ranges):
+                    lo, hi = max(a, start), min(b, start + size)
+                    if lo < hi:
+                        per_rank[r] += -(-(hi - lo) // chunk)
+                start += size
         chunks = max(per_rank)
         tolerance = (n - 1) * EXCHANGE_BYTES_PER_CHUNK * chunks  # one reduction: the clip's sum of squares
-    return terms, ideal, tolerance, dict(P=P, T=T, S=S, chunks_largest_rank=chunks, ranges=ranges)
+    return terms, ideal, tolerance, dict(P=P, T=T, S=S, buckets=len(buckets), reduce_rows=rows,
+                                         chunks_largest_rank=chunks, ranges=per_bucket)
 
 
 def make_optimizer(kind, params, device):

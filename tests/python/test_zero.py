@@ -414,6 +414,7 @@ def traffic_worker(rank, world, init_file, out_dir):
     the padded shard (the largest rank's), plus the few bytes of flags and partial sums."""
     import torch.nn.functional as F
     import optfuse.torch as oft
+    import optfuse.torch._zero_buckets as zb
     import optfuse.torch.distributed as zd
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -430,44 +431,45 @@ def traffic_worker(rank, world, init_file, out_dir):
         def __getattr__(self, name):
             return getattr(dist, name)
 
-        def all_gather(self, out, t, group=None):
+        def all_gather(self, out, t, **kw):
             sent["bytes"] += (world - 1) * nbytes(t)
-            return real["all_gather"](out, t, group=group)
+            return real["all_gather"](out, t, **kw)
 
-        def all_gather_into_tensor(self, out, t, group=None):
+        def all_gather_into_tensor(self, out, t, **kw):
             sent["bytes"] += (world - 1) * nbytes(t)
-            return real["all_gather_into_tensor"](out, t, group=group)
+            return real["all_gather_into_tensor"](out, t, **kw)
 
-        def reduce_scatter_tensor(self, out, t, group=None):
+        def reduce_scatter_tensor(self, out, t, **kw):  # (stage 2's, started during backward)
             sent["bytes"] += (world - 1) * nbytes(out)
-            return real["reduce_scatter_tensor"](out, t, group=group)
+            return real["reduce_scatter_tensor"](out, t, **kw)
 
-        def all_reduce(self, t, op=dist.ReduceOp.SUM, group=None):
+        def all_reduce(self, t, **kw):
             sent["bytes"] += 2 * (world - 1) * nbytes(t) // world
-            return real["all_reduce"](t, op=op, group=group)
+            return real["all_reduce"](t, **kw)
 
     out = {}
     for stage in (1, 2):
         model = make_model()
         zero = zd.ZeRO(oft.AdamW(model.parameters(), lr=1e-2), stage=stage)
-        zd.dist = Counting()
+        zd.dist = zb.dist = Counting()
         try:
             per_step = []
             for s in range(3):
                 x, y = data(rank, s)
                 zero.zero_grad()
+                before = sent["bytes"]  # (stage 2 sends its buckets during backward)
                 F.mse_loss(model(x), y).backward()
                 if stage == 1:  # (DDP's all-reduce is DDP's traffic: averaged by hand, not counted)
                     for p in model.parameters():
                         real["all_reduce"](p.grad)
                         p.grad /= world
-                before = sent["bytes"]
                 zero.step()
                 per_step.append(sent["bytes"] - before)
         finally:
-            zd.dist = dist
-        padded = max(b - a for a, b in zero._ranges)  # elements of the largest shard
-        model_bytes = (world - 1) * padded * 4 * (1 if stage == 1 else 2)
+            zd.dist = zb.dist = dist
+        gathered = zero._rows[torch.float32]  # elements of the largest shard: the all-gather's row
+        reduced = sum(b.row for b in zero._buckets)  # stage 2: each bucket's longest range
+        model_bytes = (world - 1) * 4 * (gathered + (reduced if stage == 2 else 0))
         out[f"stage{stage}"] = dict(per_step=per_step, model=model_bytes,
                                     ideal=(world - 1) / world * 61040 * 4 * (1 if stage == 1 else 2))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -255,6 +255,89 @@ def test_zero2_is_bitwise_the_unsharded_optimizer_on_averaged_gradients(world, t
             assert max(res[label]["local_state"] for res in results) <= full / world + 16384 * (full // 61040), label
 
 
+BUCKET_MB = 0.1  # 26214 float32: buckets [weight 0, bias 0], [weight 1], [bias 1] of make_model()
+BUCKET_CASES = [c for c in CASES if c[0] in ("AdamW", "Lamb", "clip + adamw")]
+
+
+def bucket_worker(rank, world, init_file, out_dir):
+    """Stage 2 in small buckets: reduce-scatters started by backward (every bucket complete before the
+    step), several runs of chunks per rank in the partial-sum exchange; gradients accumulated over two
+    backward passes (with and without no_sync: the step sends again what a later backward changed);
+    GradScaler.unscale_ after backward sent the scaled gradients. Against the unsharded optimizer."""
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+    init(rank, world, init_file)
+    out = {}
+    variants = [(label, name, kw, how) for label, name, kw in BUCKET_CASES for how in ("plain",)]
+    variants += [("AdamW", "AdamW", dict(lr=1e-2), how) for how in ("accumulate", "no_sync", "unscale_", "unscale_ clip")]
+    for label, name, kw, how in variants:
+        model = make_model()
+        ref_model = copy.deepcopy(model)
+        zero = ZeRO(make_opt(oft, name, model.parameters(), kw), stage=2, bucket_cap_mb=BUCKET_MB)
+        ref = make_opt(oft, name, ref_model.parameters(), kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if how.startswith("unscale_") else None
+        sent_in_backward, warned = [], []
+        for s in range(STEPS):
+            zero.zero_grad()
+            if how == "no_sync":
+                with zero.no_sync():
+                    backward_local(model, rank, s + 100)
+            elif how == "accumulate":
+                backward_local(model, rank, s + 100)
+            backward_local(model, rank, s, scaler=scaler)
+            sent_in_backward.append(zero._reducer.next)
+            if scaler is not None:
+                scaler.unscale_(zero)  # in place, after backward sent the scaled gradients
+            ref_grads(model, ref_model, world)
+            if how == "unscale_ clip":
+                zero.clip_grad_norm_(0.05)
+                torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05)
+            if scaler is not None:
+                import warnings
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    scaler.step(zero)
+                warned.append(sum("GradScaler.unscale_" in str(w.message) for w in caught))
+                scaler.update()
+            else:
+                zero.step()
+            ref.step()
+            ref.zero_grad()
+        out[f"{label} {how}"] = dict(
+            params_equal=equal_params(model, ref_model), moved=not equal_params(model, make_model()), warned=warned,
+            rel_err=max(float((p - q).abs().max() / q.abs().max()) for p, q in zip(model.parameters(),
+                                                                              ref_model.parameters())),
+            buckets=len(zero._buckets), sent_in_backward=sent_in_backward,
+            state_equal=same_state(zero.state_dict()["state"], ref.state_dict()["state"]))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_zero2_buckets_sent_during_backward_are_bitwise_the_unsharded_optimizer(world, tmp_path):
+    # (2 ranks: each element's sum is the same in any buffer layout, so the reference's all_reduce
+    # of one flat layout gives ZeRO's bucketed sums exactly)
+    results = spawn_ranks(bucket_worker, world, tmp_path)
+    for rank, res in enumerate(results):
+        assert set(res) == {f"{c[0]} plain" for c in BUCKET_CASES} | {
+            "AdamW accumulate", "AdamW no_sync", "AdamW unscale_", "AdamW unscale_ clip"}
+        for label, r in res.items():
+            assert r["moved"], (label, "training did not move the parameters: the comparison would be vacuous")
+            assert r["buckets"] == 3, r
+            if label.endswith("clip"):  # the clip folded into the step: torch's clip to rounding
+                assert r["rel_err"] <= 2e-6, (world, rank, label, r)
+            else:
+                assert r["params_equal"] and r["state_equal"], (world, rank, label, r)
+            if "unscale_" in label:
+                # GradScaler.unscale_ after backward sent the scaled gradients: the step sends them again,
+                # then the reduction waits for the step; a clip that used them is redone, with a warning
+                assert r["sent_in_backward"] == [3] + [0] * (STEPS - 1), (label, r["sent_in_backward"])
+                assert r["warned"] == ([1] if label.endswith("clip") else [0]) + [0] * (STEPS - 1), (label, r["warned"])
+            else:  # every bucket was complete, so sent, before backward returned
+                assert r["sent_in_backward"] == [3] * STEPS, (label, r["sent_in_backward"])
+
+
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 1), (2, 3), (3, 2), (2, 2)])
 def test_dcp_checkpoint_reshards_and_training_continues_bitwise(saved_by, loaded_by, tmp_path):
     ckpt_dir = tmp_path / "ckpt"

@@ -9,34 +9,42 @@
     opt = optfuse.torch.distributed.ZeRO(optfuse.torch.AdamW(model.parameters(), lr=3e-4), stage=2)
     ...  loss.backward(); opt.step(); opt.zero_grad()
 
-The parameters, in param_groups order, form one flat index space. Rank r owns one contiguous range
-of it (`shard_ranges`), which cuts across tensor boundaries, at a tensor's start or a multiple of the
-backend's chunk (`_core.chunk_elements`) into it. Each tensor's part in a rank's range is a *piece*:
-a flat view of the parameter (and of its gradient at each step); every rank has a piece of every
-parameter, most of them empty, so every rank's optimizer has the same engines in the same order.
-Every rank steps only its pieces, with one optimizer of the wrapped class over the pieces (one fused
-launch per pass, states only for the pieces: 1/N of the state memory), then the ranks all-gather
-the updated parameters (per dtype, one collective each). The traffic is one all-gather of the
-parameters per step, as in DeepSpeed's stage 1; the gradients come from DDP's all-reduce.
+The parameters of each dtype, in param_groups order, are grouped into buckets of consecutive
+parameters (stage 2: about bucket_cap_mb each; stage 1: one per dtype), and each bucket is cut into
+one range per rank (`shard_ranges`) at a tensor's start or a multiple of the backend's chunk
+(`_core.chunk_elements`) into it (_zero_buckets.py). Each tensor's part in a rank's range is a
+*piece*: a flat view of the parameter; every rank has a piece of every parameter, most of them
+empty, so every rank's optimizer has the same engines in the same order. Every rank steps only its
+pieces, with one optimizer of the wrapped class over the pieces (one fused launch per pass, states
+only for the pieces: 1/N of the state memory), reading each piece's gradient at its offset in the
+parameter's .grad (stage 1), then the ranks all-gather the updated parameters (per dtype, one
+collective into a kept [world, n] buffer). The traffic is one all-gather of the parameters per step,
+as in DeepSpeed's stage 1; the gradients come from DDP's all-reduce.
 
-Stage 2 takes no DDP: each rank backpropagates its own batch, and step() (or reduce_gradients(),
-earlier) reduce-scatters the local gradients: per dtype, one collective over a [world, n] buffer
-whose row r is rank r's pieces in flat order (padded to the longest row), `reduce_scatter_tensor`
-where the backend has it (NCCL; gloo in recent torch) and otherwise an all_reduce of the buffer
-keeping this rank's row. The owner's row is divided by the world size in the gradients' dtype (the
-sum, then the division: DDP's mean, though DDP itself scales by 1/N before its all-reduce, in its
-own bucket layout, so the roundings can differ from DDP's at 3+ ranks). The averaged shard lives in
-a persistent flat buffer per dtype (`grad_shards()`, 1/N of the gradients) whose views are the
-pieces' gradients; after the step, every parameter's full `.grad` is set to None (the local
-gradients are spent; a gradient accumulated over several backward passes is reduced once, at the
-step). Parameters without a gradient on any rank are not stepped (as unsharded); a rank without a
-gradient for a parameter others have contributes zeros (one small all_reduce of the flags per
-step). Under a GradScaler, found_inf is max-reduced across ranks inside step() so every rank skips
-together; since each rank's scaler checked only its local gradients, call `zero.reduce_gradients()`
-between backward and `scaler.step(zero)` when local infs may occur on some ranks only: it writes a
-NaN into this rank's local gradients when any rank's averaged shard is non-finite, so every
-scaler backs off alike. Per-rank traffic: (N-1)/N of the gradient bytes (reduce-scatter) plus
-(N-1)/N of the parameter bytes (all-gather).
+Stage 2 takes no DDP: each rank backpropagates its own batch, and ZeRO reduce-scatters the local
+gradients bucket by bucket as backward produces them (post-accumulate-grad hooks; asynchronous, so
+the communication overlaps the rest of backward), each over a [world, row] buffer whose row r is
+rank r's pieces of the bucket, `reduce_scatter_tensor` where the backend has it (NCCL; gloo in
+recent torch) and otherwise an all_reduce of the buffer keeping this rank's row. step() (or
+reduce_gradients() / clip_grad_norm_(), earlier) waits for them, sends what backward did not
+complete and sends again any bucket whose gradients changed since (see _zero_buckets.py;
+`no_sync()` skips sending during accumulation micro-steps). The owner's rows are divided by the
+world size in the gradients' dtype (the sum, then the division: DDP's mean, though DDP itself
+scales by 1/N before its all-reduce, in its own bucket layout, so the roundings can differ from
+DDP's at 3+ ranks). The averaged shard lives in a persistent flat buffer per dtype (`grad_shards()`,
+1/N of the gradients, padded per bucket) whose views are the pieces' gradients; after the step,
+every parameter's full `.grad` is set to None (the local gradients are spent). Parameters without
+a gradient on any rank are not stepped (as unsharded); a rank without a gradient for a parameter
+others have contributes zeros (one small all_reduce of the flags per step). Under a GradScaler,
+found_inf is max-reduced across ranks inside step() so every rank skips together; since each rank's
+scaler checked only its local gradients, call `zero.reduce_gradients()` between backward and
+`scaler.step(zero)` when local infs may occur on some ranks only: it writes a NaN into this rank's
+local gradients when any rank's averaged shard is non-finite, so every scaler backs off alike.
+GradScaler.unscale_ changes the local gradients in place without a trace, so after a step that
+shows it (found_inf without grad_scale) the buckets are sent again and reduction waits for the
+step from then on (`overlap=False` from the start avoids the first step's second send). Per-rank
+traffic: (N-1)/N of the gradient bytes (reduce-scatter) plus (N-1)/N of the parameter bytes
+(all-gather), plus padding per bucket.
 
 Reductions (clip_by_global_norm, skip_if_nonfinite, Lamb's and Lars's per-tensor norms) cross ranks
 at the step schedule's Exchange step (optfuse/schedule.h): after a reduce pass every rank
@@ -53,8 +61,9 @@ size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP res
 saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
 local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
 """
-import bisect
+import contextlib
 import io
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -62,6 +71,7 @@ import torch.distributed as dist
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError
 from ._fused import fuse
+from ._zero_buckets import DEFAULT_BUCKET_MB, GradientReducer, plan_buckets, shard_ranges  # noqa: F401 (shard_ranges: API)
 
 def _to_bytes(obj):
     """A Python object as a uint8 tensor (DCP saves one copy of a tensor every rank holds alike, and
@@ -77,31 +87,6 @@ def _from_bytes(t):
     return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
 
 
-def shard_ranges(sizes, world, chunk):
-    """[start, end) of the flat index space (tensors of `sizes` end to end) owned by each rank: about
-    total / world elements each, every cut at a tensor's start or a multiple of `chunk` into a
-    tensor (so a piece's chunks are its tensor's, and partial sums combine as unsharded). The last
-    ranks may own less, or nothing."""
-    cuts, total = [], 0
-    for n in sizes:
-        cuts.extend(range(total, total + n, chunk))
-        total += n
-    cuts.append(total)
-    bounds = [0]
-    for r in range(1, world):
-        bounds.append(max(cuts[bisect.bisect_right(cuts, total * r // world) - 1], bounds[-1]))
-    bounds.append(total)
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
-class _Piece:
-    __slots__ = ("param", "begin", "end", "view")
-
-    def __init__(self, param, begin, end):
-        self.param, self.begin, self.end = param, begin, end
-        self.view = param.detach().view(-1)[begin:end]  # shares the parameter's memory
-
-
 class ZeRO(torch.optim.Optimizer):
     """ZeRO stage 1 (gradients from DDP) or stage 2 (ZeRO reduce-scatters the local gradients) around
     an optfuse.torch optimizer (a torch.optim one is fused with fuse()): the torch.optim.Optimizer
@@ -110,7 +95,7 @@ class ZeRO(torch.optim.Optimizer):
 
     _step_supports_amp_scaling = True
 
-    def __init__(self, optimizer, process_group=None, stage=1):
+    def __init__(self, optimizer, process_group=None, stage=1, bucket_cap_mb=DEFAULT_BUCKET_MB, overlap=True):
         if stage not in (1, 2):
             raise OptfuseError(f"ZeRO: stage={stage!r} is not built (stage=1: gradients all-reduced by DDP; stage=2: "
                                "ZeRO reduce-scatters the local gradients itself)")
@@ -126,6 +111,10 @@ class ZeRO(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.process_group = process_group
         self.stage = stage
+        if not bucket_cap_mb > 0:
+            raise OptfuseError(f"ZeRO: bucket_cap_mb={bucket_cap_mb!r} must be positive")
+        self.bucket_cap_mb = bucket_cap_mb
+        self.overlap = bool(overlap)  # stage 2: reduce-scatter buckets during backward
         self.rank = dist.get_rank(process_group)
         self.world = dist.get_world_size(process_group)
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
@@ -165,22 +154,16 @@ class ZeRO(torch.optim.Optimizer):
             raise OptfuseError(f"ZeRO: parameters on several device types ({sorted(devices)}); shard one model per device")
         self._chunk = _core.chunk_elements("cuda" if devices == {"cuda"} else "cpu")
         self._param_index = {id(p): i for i, p in enumerate(params)}
-        self._ranges = shard_ranges([p.numel() for p in params], self.world, self._chunk)
-        # Per rank, a piece of every parameter in flat order (empty where the rank owns none of it):
-        # so every rank's optimizer has the same engines in the same order, and all of them take part
-        # in every exchange.
-        self._pieces = [[] for _ in range(self.world)]
-        start = 0
-        for p in params:
-            end = start + p.numel()
-            for r, (lo, hi) in enumerate(self._ranges):
-                a, b = max(lo, start), min(hi, end)
-                self._pieces[r].append(_Piece(p, a - start, b - start) if a < b else _Piece(p, 0, 0))
-            start = end
+        # Buckets cut into one range per rank, and per rank a piece of every parameter in flat order
+        # (empty where the rank owns none of it): so every rank's optimizer has the same engines in
+        # the same order, and all of them take part in every exchange. Stage 1 reduces no gradients:
+        # one bucket per dtype.
+        cap = self.bucket_cap_mb * 2 ** 20 if self.stage == 2 else None
+        self._buckets, self._pieces = plan_buckets(params, self.world, self._chunk, cap)
         self._mine = self._pieces[self.rank]
         self._piece_of_view = {id(pc.view): pc for pc in self._mine}
         # Per dtype: every rank's pieces of that dtype in flat order, and the length of the longest
-        # rank's part (the row length of the padded [world, n] buffers the collectives move).
+        # rank's part (the row length of the padded [world, n] all-gather buffer).
         self._layout = {}
         for r, pieces in enumerate(self._pieces):
             for pc in pieces:
@@ -191,21 +174,14 @@ class ZeRO(torch.optim.Optimizer):
         self._clip_coef = None  # clip_grad_norm_'s coefficient, applied by the next step
         self._gather = {}  # dtype -> the all-gather buffer and its views (_gather_buffer)
         self._all_gather_into = None  # whether the backend has all_gather_into_tensor: found out on first use
+        self._reducer = None
         if self.stage == 2:
-            # This rank's averaged gradients (1/N of them): one flat buffer per dtype, and a view of it
-            # per piece, which is the piece's .grad (the same tensors every step).
-            self._grad_shards, self._grad_views = {}, {}
-            for dtype, per_rank in self._layout.items():
-                buf = torch.zeros(self._rows[dtype], dtype=dtype, device=self._device)
-                self._grad_shards[dtype] = buf
-                at = 0
-                for pc in per_rank[self.rank]:
-                    self._grad_views[id(pc.view)] = buf[at:at + pc.end - pc.begin]
-                    at += pc.end - pc.begin
-            self._reduce_scatter = None  # whether the backend has reduce_scatter_tensor: found out on first use
-            self._send = {}  # dtype -> (send buffer, its views of the pieces): _send_buffer
-            self._present = None  # which parameters had a gradient on some rank at the last reduction
+            # This rank's averaged gradients, bucket by bucket as backward produces them (hooks).
+            self._reducer = GradientReducer(params, self._buckets, self.rank, self.world, self.process_group,
+                                            self._device)
+            self._reducer.overlap = self.overlap
             self._reduced = False
+            self._clip_norms = []  # clip_grad_norm_'s max_norm since the last step
         mine = {id(pc.param): pc for pc in self._mine}
         inner_groups = []
         for g in self.param_groups:
@@ -244,26 +220,34 @@ class ZeRO(torch.optim.Optimizer):
             firsts.append(global_chunks)
             counts.append(n)
             global_chunks += n
-        # Each rank's chunks in this engine: one contiguous range of the global chunks (its pieces of
-        # these parameters are consecutive in flat order, and every cut is a chunk boundary).
-        spans = []
-        for rank_pieces in self._pieces:
-            in_engine = [pc for pc in rank_pieces if id(pc.param) in first_of and pc.end > pc.begin]
-            n = sum(-(-(pc.end - pc.begin) // chunk) for pc in in_engine)
-            spans.append((first_of[id(in_engine[0].param)] + in_engine[0].begin // chunk if in_engine else 0, n))
-        width = max(n for _, n in spans)
-        group = self.process_group
+        # Where each global chunk comes from: rank r's local partials list its pieces of these
+        # parameters in the same (table) order, and a piece's chunks are consecutive chunks of its
+        # parameter (cuts fall on chunk boundaries). source[j]: column of the gathered [world x width].
+        runs = []  # (rank, first local chunk, first global chunk, count)
+        for r, rank_pieces in enumerate(self._pieces):
+            at = 0
+            for pc in rank_pieces:
+                if id(pc.param) in first_of and pc.end > pc.begin:
+                    n = -(-(pc.end - pc.begin) // chunk)
+                    runs.append((r, at, first_of[id(pc.param)] + pc.begin // chunk, n))
+                    at += n
+        width = max([1] + [sum(n for rr, _, _, n in runs if rr == r) for r in range(self.world)])
+        source = [0] * global_chunks
+        for r, at, first, n in runs:
+            source[first:first + n] = range(r * width + at, r * width + at + n)
+        mine = sum(n for r, _, _, n in runs if r == self.rank)
+        group, cache = self.process_group, {}
 
         def exchange(phase, rows, local, glob):
-            rows_t = torch.tensor(rows, dtype=torch.long, device=local.device)
-            send = torch.zeros(len(rows), width, dtype=local.dtype, device=local.device)
-            mine = spans[self.rank][1]
+            device = local.device
+            if device not in cache:
+                cache[device] = torch.tensor(source, dtype=torch.long, device=device)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+            send = torch.zeros(len(rows), width, dtype=local.dtype, device=device)
             send[:, :mine] = local.index_select(0, rows_t)
             recv = [torch.empty_like(send) for _ in range(self.world)]
             dist.all_gather(recv, send, group=group)
-            for (first, n), part in zip(spans, recv):
-                if n:
-                    glob[rows_t, first:first + n] = part[:, :n]
+            glob[rows_t] = torch.cat(recv, dim=1).index_select(1, cache[device])
 
         engine.core._set_exchange(global_chunks, firsts, counts, exchange)
 
@@ -301,9 +285,9 @@ class ZeRO(torch.optim.Optimizer):
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
         if self.stage == 2:
-            if not self._reduced:
-                self._reduce_gradients()
+            self._finish_reduction(grad_scale, found_inf)
             self._reduced = False
+            self._clip_norms = []
             if found_inf is not None and self.world > 1:
                 # GradScaler checked this rank's local gradients only: skip on every rank if any saw
                 # an inf or NaN (a step that some ranks skip would hang the all-gather).
@@ -324,6 +308,48 @@ class ZeRO(torch.optim.Optimizer):
                 p.grad = None
         return loss
 
+    def _finish_reduction(self, grad_scale, found_inf):
+        """Stage 2, at the step: the shard must reduce the gradients as they are now. GradScaler's
+        unscale_ (a step given found_inf but no grad_scale) rescales the local gradients in place
+        without a trace on the tensors (their version counters do not move), so after it the buckets
+        backward sent are sent again, and from then on the reduction waits for the step (overlap
+        off). If clip_grad_norm_ or reduce_gradients already used what backward sent, the shard is
+        reduced again, the clip coefficient recomputed from it, and a warning says so once."""
+        r = self._reducer
+        unscaled = found_inf is not None and grad_scale is None
+        redo = unscaled and r.overlap and (not self._reduced or r.used_backward_sends)
+        if unscaled:
+            r.overlap = False
+        if self._reduced and not redo:
+            return
+        if self._reduced:
+            warnings.warn("ZeRO stage 2: clip_grad_norm_ (or reduce_gradients) used gradients that backward had sent "
+                          "before GradScaler.unscale_ changed them; this step reduces them again and recomputes the "
+                          "clip (the norm clip_grad_norm_ returned was of the scaled gradients). From now on the "
+                          "gradients are reduced at the step; ZeRO(..., overlap=False) avoids this with a GradScaler.",
+                          stacklevel=3)
+        # A GradScaler that did not unscale (it passes grad_scale) only checked the gradients in place:
+        # what backward sent stays right.
+        r.finish(trust_versions=found_inf is not None and grad_scale is not None, resend=redo)
+        if self._reduced and self._clip_norms:
+            with torch.no_grad():
+                total = self._shard_norm()
+                self._clip_coef = None
+                for max_norm in self._clip_norms:
+                    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+                    self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+
+    def _shard_norm(self):
+        """Stage 2: the 2-norm of the averaged gradients over every rank's shard (float64 sums, one
+        all_reduce), as float32."""
+        local = torch.zeros((), dtype=torch.float64, device=self._device)
+        for t in self._reducer.shards.values():
+            if t.numel():
+                local += t.double().square().sum()
+        if self.world > 1:
+            dist.all_reduce(local, group=self.process_group)
+        return local.sqrt().to(torch.float32)
+
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False):
         """torch.nn.utils.clip_grad_norm_ for the sharded gradients: returns the total 2-norm of every
         rank's gradients (each rank sums its shard in float64, then one all_reduce of that scalar) and
@@ -337,18 +363,18 @@ class ZeRO(torch.optim.Optimizer):
         with torch.no_grad():
             if self.stage == 2:
                 if not self._reduced:
-                    self._reduce_gradients()
+                    self._reducer.finish()
                     self._reduced = True
-                parts = [buf for buf in self._grad_shards.values() if buf.numel()]
+                self._clip_norms.append(max_norm)
+                total = self._shard_norm()
             else:
-                parts = [pc.param.grad.reshape(-1)[pc.begin:pc.end] for pc in self._mine
-                         if pc.param.grad is not None and pc.end > pc.begin]
-            local = torch.zeros((), dtype=torch.float64, device=self._device)
-            for t in parts:
-                local += t.double().square().sum()
-            if self.world > 1:
-                dist.all_reduce(local, group=self.process_group)
-            total = local.sqrt().to(torch.float32)
+                local = torch.zeros((), dtype=torch.float64, device=self._device)
+                for pc in self._mine:
+                    if pc.param.grad is not None and pc.end > pc.begin:
+                        local += pc.param.grad.reshape(-1)[pc.begin:pc.end].double().square().sum()
+                if self.world > 1:
+                    dist.all_reduce(local, group=self.process_group)
+                total = local.sqrt().to(torch.float32)
             if error_if_nonfinite and not bool(torch.isfinite(total)):  # a host sync, as in torch
                 raise RuntimeError("The total norm of order 2.0 for gradients is non-finite, so it cannot be clipped")
             coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
@@ -364,9 +390,9 @@ class ZeRO(torch.optim.Optimizer):
         if self.stage != 2:
             raise OptfuseError("ZeRO.reduce_gradients: only stage=2 reduces gradients (stage=1 takes DDP's)")
         with torch.no_grad():
-            self._reduce_gradients()
+            self._reducer.finish()
             bad = torch.zeros(1, dtype=torch.float32, device=self._device)
-            for buf in self._grad_shards.values():
+            for buf in self._reducer.shards.values():
                 if buf.numel():
                     bad = torch.maximum(bad, (~torch.isfinite(buf)).any().to(torch.float32).reshape(1))
             if self.world > 1:
@@ -380,107 +406,31 @@ class ZeRO(torch.optim.Optimizer):
     def grad_shards(self):
         """Stage 2: {dtype: this rank's averaged gradients} (flat, in the order of its shard; valid
         from reduce_gradients() or step() until the next reduction)."""
-        return dict(self._grad_shards)
+        return dict(self._reducer.shards)
 
-    def _reduce_gradients(self):
-        """Stage 2: every rank's local gradients into the owners' shards, averaged: summed over ranks,
-        then divided by the world size in the gradients' dtype. One collective per dtype
-        over a [world, n] buffer whose row r is rank r's pieces in flat order (padded with zeros).
-        (torch checks a gradient's shape and dtype against its parameter's when it is set.)"""
-        params = self._params()
-        grads = [p.grad for p in params]
-        # Which parameters have a gradient on any rank (a rank without one adds zeros; a parameter
-        # without a gradient anywhere is not stepped, as unsharded): one small all_reduce.
-        present = [g is not None for g in grads]
-        if self.world > 1:
-            has = torch.tensor(present, dtype=torch.int32, device=self._device)
-            dist.all_reduce(has, group=self.process_group)
-            present = [bool(h) for h in has.tolist()]
-        for dtype in self._layout:
-            if self._rows[dtype] == 0:
-                continue
-            send, slots = self._send_buffer(dtype)
-            # Every rank's pieces of the local gradients into their rows: one multi-tensor copy
-            # (a piece that is a whole parameter copies the gradient as it is shaped; a cut one, the
-            # slice), zeros where a parameter has no gradient here.
-            dst, src, zero = [], [], []
-            for i, pc, view, whole in slots:
-                g = grads[i]
-                if g is None:
-                    zero.append(view)
-                    continue
-                if not whole:
-                    if g.is_sparse or not g.is_contiguous():
-                        raise self._grad_error(pc.param, g)
-                    g = g.view(-1)[pc.begin:pc.end]
-                dst.append(view)
-                src.append(g)
-            if dst:
-                try:
-                    torch._foreach_copy_(dst, src)
-                except RuntimeError:
-                    for g, p in zip(grads, params):
-                        if g is not None and g.is_sparse:
-                            raise self._grad_error(p, g) from None
-                    raise
-            if zero:
-                torch._foreach_zero_(zero)
-            if self.world > 1:
-                self._reduce_scatter_into(self._grad_shards[dtype], send)
-            self._grad_shards[dtype].div_(self.world)
-        if present != self._present:  # a piece's .grad: its view of the shard, or None (not stepped)
-            index = self._param_index
-            for pc in self._mine:
-                pc.view.grad = self._grad_views[id(pc.view)] if present[index[id(pc.param)]] else None
-            self._present = present
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 2, as DistributedDataParallel.no_sync: backward passes inside only accumulate the local
+        gradients (no bucket is sent); the next backward outside it (or the step) reduces the sum.
+        Without it, each backward sends its buckets and the step sends again those whose gradients a
+        later backward changed: correct, at the cost of the traffic."""
+        if self.stage != 2:
+            raise OptfuseError("ZeRO.no_sync: only stage=2 reduces gradients (stage=1 takes DDP's: use DDP's no_sync)")
+        old, self._reducer.no_sync = self._reducer.no_sync, True
+        try:
+            yield
+        finally:
+            self._reducer.no_sync = old
 
-    @staticmethod
-    def _grad_error(p, g):
-        return OptfuseError(f"ZeRO stage 2: gradients must be dense, and contiguous where a shard cuts the parameter "
-                            f"(parameter {tuple(p.shape)} {p.dtype}, gradient {tuple(g.shape)} strides {g.stride()}"
-                            f"{', sparse' if g.is_sparse else ''})")
+    @property
+    def _reduce_scatter(self):
+        """Stage 2: whether the backend has reduce_scatter_tensor (None until the first reduction; False:
+        the all_reduce fallback)."""
+        return self._reducer.reduce_scatter
 
-    def _send_buffer(self, dtype):
-        """Stage 2: the [world, n] buffer gradients are reduce-scattered from (this rank's shard itself
-        on one rank), kept across steps with a view per piece (shaped as its parameter where the
-        piece is the whole parameter), so a step makes no view per piece. Padding stays zero."""
-        cached = self._send.get(dtype)
-        if cached is None:
-            n = self._rows[dtype]
-            send = (self._grad_shards[dtype].view(1, n) if self.world == 1
-                    else torch.zeros(self.world, n, dtype=dtype, device=self._device))
-            slots = []  # (parameter index, piece, its view of the buffer, whether it is the whole parameter)
-            for r, pieces in enumerate(self._layout[dtype]):
-                at = 0
-                for pc in pieces:
-                    k = pc.end - pc.begin
-                    if k:
-                        view, whole = send[r, at:at + k], k == pc.param.numel()
-                        slots.append((self._param_index[id(pc.param)], pc, view.view(pc.param.shape) if whole else view,
-                                      whole))
-                    at += k
-            cached = self._send[dtype] = (send, slots)
-        return cached
-
-    def _reduce_scatter_into(self, out, send):
-        """out = this rank's row of the sum of every rank's `send` ([world, n])."""
-        group = self.process_group
-        if self._reduce_scatter is None:
-            # NCCL has reduce_scatter_tensor; gloo has it only in recent torch releases (2.15 has it).
-            # Where the backend lacks it, all_reduce the whole buffer and keep this rank's row: the
-            # same sums (gloo computes its reduce_scatter as the matching slice of an all_reduce of
-            # the same buffer), at twice the traffic. Every rank takes the same branch (one backend).
-            try:
-                dist.reduce_scatter_tensor(out, send.view(-1), group=group)
-                self._reduce_scatter = True
-                return
-            except (RuntimeError, NotImplementedError, AttributeError, ValueError):
-                self._reduce_scatter = False
-        if self._reduce_scatter:
-            dist.reduce_scatter_tensor(out, send.view(-1), group=group)
-        else:
-            dist.all_reduce(send, group=group)
-            out.copy_(send[self.rank])
+    @_reduce_scatter.setter
+    def _reduce_scatter(self, value):
+        self._reducer.reduce_scatter = value
 
     def _all_gather_params(self):
         """Every rank's pieces to every rank: one all_gather per dtype of equal-length (padded) rows of a
