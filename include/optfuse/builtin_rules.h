@@ -20,8 +20,9 @@
 //   scale_by_rprop          lr=1e-2 etaminus=0.5 etaplus=1.2 step_size_min=1e-6 step_size_max=50
 //                                                    (sign(u) * per-element step size; step sizes start at lr)
 //   averaged_sgd            lr=1e-2 lambd=1e-4 alpha=0.75 t0=1e6   (ASGD: decays and steps the parameter,
-//                                                    keeps the average ax; must be the last rule of a chain;
-//                                                    hyperparameter eta_lr=-1: see builtin_rules.cpp)
+//                                                    keeps the average ax; uniform states eta and mu (per
+//                                                    group, init lr and 1, torch's per-parameter scalars);
+//                                                    must be the last rule of a chain)
 //   scale_by_nadam          lr=2e-3 b1=0.9 b2=0.999 eps=1e-8 momentum_decay=4e-3   (NAdam's two-term update
 //                                                    with lr; uniform state mu_product (per group, init 1);
 //                                                    must be the last rule of a chain)

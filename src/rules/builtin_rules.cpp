@@ -307,33 +307,35 @@ Rule scale_by_nadam(double lr, double b1, double b2, double eps, double momentum
 
 // ASGD as torch.optim.ASGD, the last rule of its chain (it reads the new parameter to update the
 // average): param <- param * (1 - lambd * eta) - eta * u, then ax <- param if mu == 1 else
-// ax + (param - ax) * mu. torch keeps eta and mu as per-parameter scalars that it sets at the end
-// of each step; they are closed forms of the step count, so here they are uniform values: the eta
-// used at step t is lr at t = 1, then eta_lr / (1 + lambd * eta_lr * (t - 1))^alpha, and mu is 1
-// at t = 1, then 1 / max(1, t - 1 - t0); both rounded to float32 as torch stores them. eta_lr is
-// the lr torch computed that eta with (at the end of the previous step); < 0 (the default) means
-// lr. (The PyTorch front end sets it to the previous step's lr so that lr schedules match torch.)
+// ax + (param - ax) * mu. torch keeps eta and mu per parameter in float32 tensors, starts them at lr
+// and 1 on a parameter's first step and, at the end of each step t, sets them from the new step
+// count and the group's values of that step: eta = lr / (1 + lambd * lr * t)^alpha,
+// mu = 1 / max(1, t - t0) (float64 math, stored as float32). They are uniform states here, read by
+// the next step and committed only where the step is not skipped: an lr changed between steps (a
+// scheduler), or lambd, alpha or t0 changed, takes effect as in torch, one step later for eta and mu.
 Rule averaged_sgd(double lr, double lambd, double alpha, double t0) {
   Rule r("averaged_sgd");
   r.hyper("lr", lr, Range::non_negative())
       .hyper("lambd", lambd, Range::non_negative())
       .hyper("alpha", alpha, Range::non_negative())
-      .hyper("t0", t0)
-      .hyper("eta_lr", -1.0);
+      .hyper("t0", t0);
   r.state("ax");
+  r.uniform_state("eta", lr).uniform_state("mu", 1.0);
   return r.update([](RuleBuilder& b) {
     Expr u = b.update(), t = b.step(), lr = b.hyper("lr"), lambd = b.hyper("lambd");
-    Expr elr = select(b.hyper("eta_lr") < b.constant(0.0), lr, b.hyper("eta_lr"));
-    Expr eta_t = select(t == 1.0, lr, elr / pow(1.0 + lambd * elr * (t - 1.0), b.hyper("alpha")));
-    Expr eta = b.name(round_uniform_to_f32(eta_t), "eta");
-    Expr mu_t = select(t == 1.0, b.constant(1.0), 1.0 / max(b.constant(1.0), (t - 1.0) - b.hyper("t0")));
-    Expr mu = b.name(round_uniform_to_f32(mu_t), "mu");
+    Expr first = t == 1.0;  // torch's initial values, whatever the states hold (a group restarted at step 0)
+    Expr eta = b.name(select(first, round_uniform_to_f32(lr), b.uniform_state("eta")), "eta");
+    Expr mu = b.name(select(first, b.constant(1.0), b.uniform_state("mu")), "mu");
     Expr decay = b.name(1.0 - lambd * eta, "decay_factor");
     b.scale_param(decay);
     Expr update = u * -eta;
     Expr param_new = b.param() * decay + update;  // the chain's new parameter (this rule is last)
     Expr ax = b.state("ax");
     b.set_state("ax", select(mu != 1.0, ax + (param_new - ax) * mu, param_new));
+    Expr eta_new = lr / pow(1.0 + lambd * lr * t, b.hyper("alpha"));
+    b.set_uniform_state("eta", b.name(round_uniform_to_f32(eta_new), "eta_new"));
+    Expr mu_new = 1.0 / max(b.constant(1.0), t - b.hyper("t0"));
+    b.set_uniform_state("mu", b.name(round_uniform_to_f32(mu_new), "mu_new"));
     return update;
   });
 }

@@ -2,9 +2,11 @@
 // against values derived by hand on the reference evaluator and the CPU backend: the value read
 // during a step is the old one, the new one is committed only where the step is not skipped
 // (skip_if_nonfinite, found_inf), add_group keeps existing groups' values, a uniform state may
-// depend on a global reduction (two passes), and NAdam's mu_product follows torch's float32 product.
+// depend on a global reduction (two passes), NAdam's mu_product follows torch's float32 product and
+// ASGD's eta and mu torch's float32 scalars.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -192,6 +194,62 @@ TEST_P(UniformState, NadamMatchesTorchsFormulasAndKeepsMuProductPerGroup) {
     }
   }
   EXPECT_LT(r0.mu_product, 0.5f);
+}
+
+// torch.optim.ASGD's _single_tensor_asgd for one element: eta and mu in float32 tensors, set at the
+// end of each step from that step's lr, lambd, alpha and t0 (float64 Python math); the step uses the
+// old ones (eta_value = eta.item(); p.mul_(1 - lambd * eta_value); p.add_(g, alpha=-eta_value)).
+struct AsgdRef {
+  double lr = 0.05, lambd = 0.3, alpha = 0.6, t0 = 2;
+  float p, ax = 0, eta, mu = 1;
+  int t = 0;
+  explicit AsgdRef(float p0) : p(p0), eta(static_cast<float>(lr)) {}
+  void step(float g) {
+    ++t;
+    double e = eta;
+    p = p * static_cast<float>(1 - lambd * e);
+    p = p + static_cast<float>(-e) * g;
+    ax = mu != 1.0f ? ax + (p - ax) * mu : p;
+    eta = static_cast<float>(lr / std::pow(1 + lambd * lr * t, alpha));
+    mu = static_cast<float>(1 / std::max(1.0, t - t0));
+  }
+};
+
+// ASGD's eta and mu are uniform states: each step reads the values the previous one left (so a
+// changed lr, lambd or t0 reaches eta and mu one step later, as in torch) and a skipped step keeps them.
+TEST_P(UniformState, AsgdEtaAndMuFollowTorchThroughHyperparameterChangesAndSkips) {
+  AsgdRef r(0.75f);
+  Chain c = chain({make_builtin("unscale_by_grad_scale"),
+                   make_builtin("asgd", {{"lr", r.lr}, {"lambd", r.lambd}, {"alpha", r.alpha}, {"t0", r.t0}})});
+  Optimizer opt(c, GetParam());
+  std::vector<float> p{0.75f}, g{0.0f}, ax{0.0f};
+  TensorRef a{{p.data(), 1, DType::f32}, {g.data(), 1, DType::f32}, {{ax.data(), 1}}, 0};
+  opt.set_tensors({a});
+  float scale = 1.0f, found = 0.0f;
+  StepInputs in;
+  in.grad_scale = &scale;
+  in.found_inf = &found;
+  for (int s = 0; s < 10; ++s) {
+    float grad = 0.4f - 0.15f * static_cast<float>(s);
+    g[0] = grad;
+    if (s == 3) r.lr = 0.02, opt.set_hyper(0, "lr", r.lr);         // a scheduler
+    if (s == 5) r.lambd = 0.1, opt.set_hyper(0, "lambd", r.lambd);  // and a hand edit
+    if (s == 6) r.t0 = 1, opt.set_hyper(0, "t0", r.t0);
+    found = s == 7 ? 1.0f : 0.0f;  // a GradScaler's overflow: torch does not step at all
+    opt.step(in);
+    if (s != 7) r.step(grad);
+    if (GetParam() == Backend::cpu) {  // float32 element math, rounded as torch's: bitwise
+      EXPECT_EQ(p[0], r.p) << "step " << s;
+      EXPECT_EQ(ax[0], r.ax) << "step " << s;
+    } else {  // the reference evaluator's element math is float64
+      EXPECT_NEAR(p[0], r.p, 1e-7) << "step " << s;
+      EXPECT_NEAR(ax[0], r.ax, 1e-7) << "step " << s;
+    }
+    EXPECT_EQ(opt.uniform_state(0, "eta"), static_cast<double>(r.eta)) << "step " << s;
+    EXPECT_EQ(opt.uniform_state(0, "mu"), static_cast<double>(r.mu)) << "step " << s;
+  }
+  EXPECT_EQ(opt.step_count(0), 9);
+  EXPECT_LT(r.mu, 1.0f);  // averaging has started
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, UniformState, ::testing::Values(Backend::reference, Backend::cpu),

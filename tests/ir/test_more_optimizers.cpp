@@ -184,9 +184,15 @@ TEST(MoreOptimizers, RpropClampedMaximize) {
 // torch.optim.ASGD (its for-loop implementation): g <- -g if maximize; g += wd p;
 // eta = lr on the first step, then lr / (1 + lambd lr (t-1))^alpha; mu = 1 on the first step, then
 // 1 / max(1, t - 1 - t0); p <- p (1 - lambd eta) - eta g; ax <- p if mu == 1, else ax + (p - ax) mu.
-// eta_lr[k] >= 0 replaces lr in eta's formula (torch computes eta at the end of the previous step).
+// Group 1 resumes at step resume1 with the uniform states eta and mu set to seed1 (what a state dict
+// saved at that step holds: by default torch's values with this lr, else e.g. an eta computed with
+// another lr, before a scheduler changed it), which its first step uses.
 RuleCase asgd_case(const std::string& spec, G2 lr, G2 wd, double lambd, double alpha, double t0, bool maximize,
-                   G2 eta_lr = {-1, -1}, int resume1 = 0) {
+                   int resume1 = 0, G2 seed1 = {-1, -1}) {
+  auto eta_after = [=](double l, double t) { return l / std::pow(1 + lambd * l * t, alpha); };
+  auto mu_after = [=](double t) { return 1.0 / std::max(1.0, t - t0); };
+  if (resume1 > 0 && seed1[0] < 0)
+    seed1 = {static_cast<float>(eta_after(lr[1], resume1)), static_cast<float>(mu_after(resume1))};
   RuleCase c;
   c.name = spec;
   c.chain = parse_chain(spec);
@@ -195,18 +201,20 @@ RuleCase asgd_case(const std::string& spec, G2 lr, G2 wd, double lambd, double a
   c.configure = [=](Optimizer& o) {
     o.set_hyper(1, "lr", lr[1]);
     if (wd[0] != 0) o.set_hyper(1, "weight_decay", wd[1]);
-    if (eta_lr[0] >= 0) o.set_hyper(0, "eta_lr", eta_lr[0]);
-    if (eta_lr[1] >= 0) o.set_hyper(1, "eta_lr", eta_lr[1]);
     o.set_step_count(1, resume1);
+    if (resume1 > 0) {
+      o.set_uniform_state(1, "eta", seed1[0]);
+      o.set_uniform_state(1, "mu", seed1[1]);
+    }
   };
   c.math = [=](const StepCtx& x, double g, double& p, double* s) {
     int k = x.group;
     double t = x.t;
     if (maximize) g = -g;
     g += wd[k] * p;
-    double elr = eta_lr[k] >= 0 ? eta_lr[k] : lr[k];
-    double eta = x.t == 1 ? lr[k] : elr / std::pow(1 + lambd * elr * (t - 1), alpha);
-    double mu = x.t == 1 ? 1.0 : 1.0 / std::max(1.0, t - 1 - t0);
+    bool seeded = k == 1 && resume1 > 0 && x.t == resume1 + 1;
+    double eta = x.t == 1 ? lr[k] : seeded ? seed1[0] : eta_after(lr[k], t - 1);
+    double mu = x.t == 1 ? 1.0 : seeded ? seed1[1] : mu_after(t - 1);
     p = p * (1 - lambd * eta) - eta * g;
     s[0] = mu == 1.0 ? p : s[0] + (p - s[0]) * mu;
     return 0.0;
@@ -221,11 +229,12 @@ TEST(MoreOptimizers, AsgdDefaults) {
 // resumes at step 10), weight decay and maximize.
 TEST(MoreOptimizers, AsgdAveragingWeightDecayMaximize) {
   run_everywhere(asgd_case("asgd(lr=0.05, lambd=0.5, alpha=0.6, t0=1.5, weight_decay=0.1, maximize=true)",
-                           {0.05, 0.1}, {0.1, 0.2}, 0.5, 0.6, 1.5, true, {-1, -1}, 10));
+                           {0.05, 0.1}, {0.1, 0.2}, 0.5, 0.6, 1.5, true, 10));
 }
-// eta_lr: eta computed from another lr than the one of this step (the PyTorch front end's lag).
-TEST(MoreOptimizers, AsgdEtaLr) {
-  run_everywhere(asgd_case("asgd(lr=0.05, lambd=0.5, t0=2)", {0.05, 0.1}, {0, 0}, 0.5, 0.75, 2, false, {0.2, 0.01}, 4));
+// Group 1 resumes with eta and mu that are not this lr's (computed with an lr a scheduler has changed
+// since, mu from before averaging started): its next step uses them, the steps after it this lr's.
+TEST(MoreOptimizers, AsgdResumesFromItsUniformStates) {
+  run_everywhere(asgd_case("asgd(lr=0.05, lambd=0.5, t0=2)", {0.05, 0.1}, {0, 0}, 0.5, 0.75, 2, false, 4, {0.2, 1.0}));
 }
 
 // The named optimizers are these chains of rules, with torch's defaults.
@@ -265,7 +274,9 @@ TEST(MoreOptimizers, ChainsAreTheDocumentedRules) {
   EXPECT_EQ(a.hyper(0, "lambd"), 1e-4);
   EXPECT_EQ(a.hyper(0, "alpha"), 0.75);
   EXPECT_EQ(a.hyper(0, "t0"), 1e6);
-  EXPECT_EQ(a.hyper(0, "eta_lr"), -1.0);
+  EXPECT_EQ(a.uniform_state(0, "eta"), 1e-2);  // torch's initial eta (lr) and mu
+  EXPECT_EQ(a.uniform_state(0, "averaged_sgd.mu"), 1.0);
+  EXPECT_THROW(a.hyper(0, "eta_lr"), Error);
 }
 
 // torch's argument checks, as the named optimizers' errors.

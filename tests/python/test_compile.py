@@ -11,7 +11,7 @@
 * A tensor lr under a cosine schedule: 100 steps, no recompilation, also when the lr tensor is
   changed inside the compiled function (the op is then handed the functional copy of lr).
 * What cannot be traced falls back to the eager step (a graph break), correctly: a closure, a
-  gradient vanishing, ASGD (host-side records).
+  gradient vanishing.
 CUDA cases skip with a visible reason where there is no GPU.
 """
 import copy
@@ -43,6 +43,8 @@ OPTIMIZERS = {
     "SGD-momentum": lambda ps, lr=1e-2: oft.SGD(ps, lr=lr, momentum=0.9, nesterov=True),
     "Adam-amsgrad": lambda ps, lr=1e-2: oft.Adam(ps, lr=lr, amsgrad=True),
     "Fused-clip-adam": lambda ps, lr=1e-2: oft.Fused(_clip_chain(), ps, lr=lr),
+    # eta and mu are uniform states: averaging (mu < 1) from step 4
+    "ASGD": lambda ps, lr=1e-2: oft.ASGD(ps, lr=lr, lambd=0.3, alpha=0.6, t0=2, weight_decay=0.01),
 }
 
 
@@ -187,15 +189,14 @@ def test_tensor_lr_cosine_100_steps_never_recompiles(where, mode, device_name, d
     assert rel_diff(model, ref_model) <= TRAIN_TOL
 
 
-@pytest.mark.parametrize("case", ["closure", "grad_vanishes", "asgd"])
+@pytest.mark.parametrize("case", ["closure", "grad_vanishes"])
 def test_fallbacks_stay_correct(case, dynamo):
     device = torch.device("cpu")
     require_compile(device, None)
     model = make_model(device)
     params = list(model.parameters())
     twins = [p.detach().clone().requires_grad_() for p in params]
-    make = (lambda ps: oft.ASGD(ps, lr=1e-2)) if case == "asgd" else OPTIMIZERS["AdamW"]
-    opt, ref = make(params), make(twins)
+    opt, ref = OPTIMIZERS["AdamW"](params), OPTIMIZERS["AdamW"](twins)
     if case == "closure":
         step = torch.compile(lambda: opt.step(lambda: None))
         ref_step = lambda: ref.step(lambda: None)  # noqa: E731

@@ -181,9 +181,10 @@ def straight_torch(name, kw, device):
     return model, opt
 
 
-def eta_lr_differs_from_group_lr(opt):
-    """ASGD: the lr the saved eta was computed with is not the group's lr now (the scheduler moved
-    it), so resuming must recover it from eta (what makes the ASGD round trips below non-trivial)."""
+def eta_differs_from_group_lrs(opt):
+    """ASGD: the saved eta was computed with an lr that is not the group's lr now (the scheduler
+    moved it), so resuming must take eta from the state, not recompute it from lr (what makes the ASGD
+    round trips below non-trivial)."""
     sd = opt.state_dict()
     g = sd["param_groups"][0]
     st = sd["state"][0]
@@ -212,7 +213,7 @@ def torch_first_half(name, kw, device):
     ref = getattr(torch.optim, name)(model.parameters(), foreach=False, **kw)
     scheduled(model, ref, HALF, device)
     if name == "ASGD":
-        assert eta_lr_differs_from_group_lr(ref)
+        assert eta_differs_from_group_lrs(ref)
     return model, ref
 
 

@@ -640,6 +640,9 @@ GRAPH_CASES = [
     ("AdamW", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05), dict(capturable=True)),
     ("Adam", dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05), dict(capturable=True)),
     ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01), dict()),
+    # eta and mu: uniform states committed by the captured kernel (torch's reference: its capturable
+    # path, eta and mu in float32 tensor math, within the state tolerance of float64 math rounded once)
+    ("ASGD", dict(lr=0.05, lambd=0.3, alpha=0.6, t0=2, weight_decay=0.01), dict(capturable=True)),
 ]
 WARMUP, REPLAYS = 3, 10
 

@@ -4,12 +4,10 @@ same chains as C++ and SPEC text). Constructor arguments, defaults and validatio
 each class asks the torch class it replaces for its defaults dict, so param_groups and state_dict
 have exactly torch's keys for the installed torch version (`foreach`, `fused` and `capturable` are
 kept but ignored)."""
-import math
-
 import torch
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError, _dynamo_opaque, _plain, _scalar_dtype
+from ._base import FusedOptimizer, OptfuseError, _plain, _scalar_dtype
 
 
 def _torch_defaults(cls, kwargs):
@@ -432,56 +430,18 @@ class AdEMAMix(_OptionalWeightDecay):
                 "weight_decay": g["weight_decay"]}
 
 
-def _asgd_eta(lr, lambd, alpha, t):
-    """The eta torch's ASGD stores at the end of step t (a Python float, stored as float32)."""
-    return lr / ((1 + lambd * lr * t) ** alpha)
-
-
-def _as_float32(x):
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def _solve_eta_lr(eta, lambd, alpha, t):
-    """The lr x with float32(_asgd_eta(x, lambd, alpha, t)) == eta, or None. x / (1 + c x)^alpha
-    (c = lambd t) increases with x up to x = 1 / ((alpha - 1) c) (everywhere when alpha <= 1)."""
-    if not (eta > 0 and math.isfinite(eta)):
-        return None
-    c = lambd * t
-    if c == 0 or alpha == 0:
-        return eta if _as_float32(eta) == eta else None
-    top = math.inf if alpha <= 1 else 1 / ((alpha - 1) * c)
-    lo, hi = 0.0, eta
-    while _asgd_eta(hi, lambd, alpha, t) < eta:
-        if hi >= top or hi > 1e300:
-            return None
-        lo, hi = hi, min(2 * hi, top)
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if mid in (lo, hi):
-            break
-        if _asgd_eta(mid, lambd, alpha, t) < eta:
-            lo = mid
-        else:
-            hi = mid
-    for x in (hi, lo):
-        if _as_float32(_asgd_eta(x, lambd, alpha, t)) == eta:
-            return x
-    return None
-
-
 class ASGD(_OptionalWeightDecay):
-    """Fused drop-in for torch.optim.ASGD (same arguments and defaults, state step, eta, mu, ax).
+    """Fused drop-in for torch.optim.ASGD (same arguments and defaults, state keys step, eta, mu, ax).
 
-    torch keeps eta and mu as per-parameter scalars that it recomputes at the end of every step
-    from the new step count and the group's lr, lambd, alpha and t0. The kernel computes them from
-    the step count instead (rule averaged_sgd); the one input that is not in the group is the lr of
-    a parameter's previous step, which torch's eta was computed with: this class keeps it (per
-    group after each step, per parameter when the tables change, and from the eta tensors after
-    load_state_dict or fuse()) and hands it to the kernel as the hyperparameter eta_lr.
-    state_dict() writes eta and mu. docs/python.md lists where this can still differ from torch."""
+    torch keeps eta and mu per parameter (0-dim float32 tensors on the parameter's device), starts
+    them at lr and 1, and at the end of every step sets them from the new step count and the group's
+    lr, lambd, alpha and t0 of that step. Here they are uniform states of the rule averaged_sgd (one
+    value per internal group, as NAdam's mu_product): a step uses the values the previous one left
+    and commits new ones where it is not skipped (a GradScaler's skipped step keeps them, as torch,
+    which does not step). They are seeded from each parameter's eta and mu when the tables are built
+    and written back by state_dict()."""
 
     _sig_keys = ("lr", "lambd", "alpha", "t0", "weight_decay", "maximize")
-    _graph_step = False  # step() keeps host-side records after each step: opaque to torch.compile
 
     def __init__(self, params, lr=1e-2, lambd=1e-4, alpha=0.75, t0=1e6, weight_decay=0, foreach=None, maximize=False,
                  differentiable=False, capturable=False):
@@ -501,144 +461,32 @@ class ASGD(_OptionalWeightDecay):
 
     def _hypers(self, g):
         return {"lr": g["lr"], "lambd": g["lambd"], "alpha": g["alpha"], "t0": g["t0"],
-                "weight_decay": g["weight_decay"], "eta_lr": self._group_eta_lr(g)}
-
-    # --- the lr of each parameter's previous step ------------------------------------------------
-    # Three records, none of them in torch's state format (so all rebuilt after unpickling):
-    #   _asgd_group_lr   id(group) -> the group's lr at the last step() (a float, or a tensor kept
-    #                    up to date in place when lr is a tensor): right for every parameter that
-    #                    stepped then, i.e. every parameter of the tables as they are;
-    #   _asgd_stepped    the tables that last step used (the engines' lists, which a rebuild
-    #                    replaces rather than changes);
-    #   _asgd_param_lr   param -> the lr of its last step, for parameters that have left the tables.
-    def _records(self, name):
-        d = self.__dict__.get(name)
-        if d is None:
-            d = self.__dict__[name] = {}
-        return d
-
-    def _group_eta_lr(self, g):
-        d = self._records("_asgd_group_lr")
-        if id(g) not in d:  # before a first step: a parameter's first step uses lr, not eta_lr
-            lr = g["lr"]
-            d[id(g)] = lr.detach().clone() if torch.is_tensor(lr) else float(lr)
-        return d[id(g)]
-
-    def _stepped_last(self):
-        """(param, torch group index) of every parameter the last step() updated."""
-        for params, group_of, groups in self.__dict__.get("_asgd_stepped") or ():
-            for p, gi in zip(params, group_of):
-                yield p, groups[gi][0]
-
-    def _param_eta_lr(self, p, tg, stepped):
-        """The lr p's eta was computed with, or None when its state's eta is still right as it is."""
-        if id(p) in stepped:
-            return self._group_eta_lr(self.param_groups[tg])
-        return self._records("_asgd_param_lr").get(p)
-
-    def _eta_lr_from_state(self, p, g, t):
-        """The lr that reproduces the eta tensor of p's state (loaded, or taken over by fuse())."""
-        st = self.state.get(p) or {}
-        lr = float(_plain(g["lr"]))
-        if not torch.is_tensor(st.get("eta")):
-            return lr
-        eta, lambd, alpha = float(st["eta"]), float(g["lambd"]), float(g["alpha"])
-        if _as_float32(_asgd_eta(lr, lambd, alpha, t - 1)) == eta:
-            return lr
-        x = _solve_eta_lr(eta, lambd, alpha, t - 1)
-        return lr if x is None else x
+                "weight_decay": g["weight_decay"]}
 
     def _rebuild(self):
-        param_lr = self._records("_asgd_param_lr")
-        groups = self.param_groups
-        for p, tg in self._stepped_last():  # they leave the tables: keep what their last step used
-            h = self._group_eta_lr(groups[tg])
-            param_lr[p] = h.detach().clone() if torch.is_tensor(h) else h
-        self.__dict__["_asgd_stepped"] = None
-        super()._rebuild()
-        # Parameters that share an internal group (torch group and step count) may come from
-        # different histories: each internal group gets the eta_lr of its parameters' last step.
-        for e in self._engines.values():
-            done = set()
-            for p, gi in zip(e.params, e.group_of):
-                tg, step = e.groups[gi]
-                if gi in done or step == 0:
-                    continue
-                v = param_lr.get(p)
-                if v is None:
-                    v = self._eta_lr_from_state(p, groups[tg], step + 1)
-                e._push(gi, {"eta_lr": v})
-                done.add(gi)
-
-    def _after_step(self, found_inf):
-        """Each group's eta_lr becomes the lr this step used (for a skipped GradScaler step, a tensor
-        lr keeps the previous value; a Python number cannot tell without a device sync)."""
-        d = self._records("_asgd_group_lr")
-        for i, g in enumerate(self.param_groups):
-            lr, h = g["lr"], d.get(id(g))
-            if torch.is_tensor(lr):
-                if not torch.is_tensor(h) or h.shape != lr.shape or h.device != lr.device:
-                    h = d[id(g)] = lr.detach().clone()
-                elif torch.is_tensor(found_inf) and found_inf.device == h.device:
-                    h.copy_(torch.where(found_inf.reshape(()) != 0, h, lr.detach().to(h.dtype)))
-                else:
-                    h.copy_(lr.detach())
-            else:
-                h = d[id(g)] = float(lr)
-            for e in self._engines.values():
-                e.push_hypers(i, {"eta_lr": h})
-        self.__dict__["_asgd_stepped"] = [(e.params, e.group_of, e.groups) for e in self._engines.values()]
-
-    @_dynamo_opaque
-    def step(self, closure=None, *, grad_scale=None, found_inf=None):
-        loss = FusedOptimizer.step(self, closure, grad_scale=grad_scale, found_inf=found_inf)
-        self._after_step(found_inf if found_inf is not None else getattr(self, "found_inf", None))
-        return loss
-
-    step.hooked = True
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        for name in ("_asgd_group_lr", "_asgd_stepped", "_asgd_param_lr", "_asgd_group_of"):
-            self.__dict__[name] = None  # from the loaded eta tensors at the next step
-
-    def _group_of(self, p):
-        cache = self.__dict__.get("_asgd_group_of")
-        if cache is None or id(p) not in cache:
-            cache = self.__dict__["_asgd_group_of"] = {id(q): g for g in self.param_groups for q in g["params"]}
-        return cache[id(p)]
+        self.__dict__["_asgd_group_of"] = {id(q): g for g in self.param_groups for q in g["params"]}
+        try:
+            super()._rebuild()
+        finally:
+            del self.__dict__["_asgd_group_of"]
 
     def _states_for(self, p, st, engine, prec):
-        if "eta" not in st:  # torch's order and initial values: step 0, eta = lr, mu = 1, ax = 0
+        if "eta" not in st:  # torch's keys, order and initial values: step 0, eta = lr, mu = 1, ax = 0
             if "step" not in st:
                 st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
-            lr = _plain(self._group_of(p)["lr"])
+            lr = _plain(self._asgd_group_of[id(p)]["lr"])
             st["eta"] = torch.as_tensor(lr, device=p.device, dtype=_scalar_dtype()).clone().detach()
             st["mu"] = torch.ones((), device=p.device, dtype=_scalar_dtype())
         return super()._states_for(p, st, engine, prec)
 
     def _sync_steps(self, write_state=False):
-        # state_dict() calls this with write_state=True: eta and mu are written with step, as torch
-        # computed them at the end of each parameter's last step
+        # state_dict() (write_state=True): step, eta and mu as the last step left them (eta and mu by
+        # the base class, as uniform states); torch keeps ASGD's step on the parameter's device.
         super()._sync_steps(write_state)
         if not write_state:
             return
-        stepped = {id(p): tg for p, tg in self._stepped_last()}
-        for tg, g in enumerate(self.param_groups):
-            lambd, alpha, t0 = float(g["lambd"]), float(g["alpha"]), float(g["t0"])
+        for g in self.param_groups:
             for p in g["params"]:
                 st = self.state.get(p)
-                if not st or "step" not in st:
-                    continue
-                if st["step"].device != p.device:  # torch keeps ASGD's step on the parameter's device
+                if st and torch.is_tensor(st.get("step")) and st["step"].device != p.device:
                     st["step"] = st["step"].to(p.device)
-                t = float(st["step"])
-                lr = self._param_eta_lr(p, tg, stepped)
-                if t < 1 or lr is None:
-                    continue  # not stepped since its eta and mu were set (created, loaded, fused)
-                lr = float(_plain(lr))
-                for key, value in (("eta", _asgd_eta(lr, lambd, alpha, t)), ("mu", 1 / max(1, t - t0))):
-                    if torch.is_tensor(st.get(key)):
-                        st[key].copy_(torch.as_tensor(value))
-                    else:
-                        st[key] = torch.as_tensor(value, device=p.device, dtype=_scalar_dtype())
