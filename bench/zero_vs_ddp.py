@@ -5,6 +5,8 @@ holds. The bench checks the model: it exits nonzero when a measured byte count d
 by more than the stated tolerance.
 
 Rows, per workload (bench/workload_shapes.py, the shapes of `optfuse bench --workload`) and per N:
+  single optfuse    the unsharded optfuse AdamW step alone, no collective (one GPU's step time);
+                    "single optfuse clip" the same for the clip chain
   ddp optfuse       all_reduce of the gradients (averaged, in 25 MiB buckets of one flat gradient
                     buffer, as DDP with gradient_as_bucket_view) + optfuse.torch.AdamW, unsharded
   ddp torch         the same all_reduce + torch.optim.AdamW (fused=True where the device has it,
@@ -86,6 +88,8 @@ CLIP_CHAIN = (f"chain(clip_by_global_norm(max_norm={MAX_NORM}), "
               f"adamw(lr={LR}, b1={BETAS[0]}, b2={BETAS[1]}, eps={EPS}, weight_decay={WD}))")
 # (name, ZeRO stage or None, all_reduce the gradients first, optimizer kind)
 VARIANTS = [
+    ("single optfuse", None, False, "adamw"),  # the step alone, no collective: one GPU's (or process's) time
+    ("single optfuse clip", None, False, "clip"),
     ("ddp optfuse", None, True, "adamw"),
     ("ddp torch", None, True, "torch"),
     ("ddp optfuse clip", None, True, "clip"),

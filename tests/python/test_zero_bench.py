@@ -33,7 +33,8 @@ def test_bench_bytes_equal_the_model(tmp_path):
     res = json.loads(out.read_text())
     assert res["failures"] == []
     rows = {r["variant"]: r for r in res["rows"]}
-    assert set(rows) == {"ddp optfuse", "ddp torch", "ddp optfuse clip", "zero1", "zero1 clip", "zero2",
+    assert set(rows) == {"single optfuse", "single optfuse clip", "ddp optfuse", "ddp torch", "ddp optfuse clip",
+                         "zero1", "zero1 clip", "zero2",
                          "zero2 clip"}
     n = 2
     P = rows["ddp optfuse"]["params"]
@@ -42,6 +43,7 @@ def test_bench_bytes_equal_the_model(tmp_path):
     assert P == 248796 and T == 148 and P // 2 <= S < P // 2 + 16384
     allreduce = Fraction(2 * (n - 1), n) * P * 4
     expect = {
+        "single optfuse": 0, "single optfuse clip": 0,
         "ddp optfuse": allreduce, "ddp torch": allreduce, "ddp optfuse clip": allreduce,
         "zero1": allreduce + (n - 1) * S * 4,
         # one 25 MB bucket: its row is S; flags: which tensors have gradients, which buckets are sent again
