@@ -71,7 +71,7 @@ class Piece:
 class Bucket:
     """Consecutive parameters of one dtype, cut into one range per rank."""
     __slots__ = ("dtype", "params", "ranges", "row", "offset", "pieces", "ready", "launched", "seen", "work",
-                 "send", "slots")
+                 "send", "slots", "whole", "cut")
 
     def __init__(self, dtype):
         self.dtype, self.params = dtype, []
@@ -81,7 +81,8 @@ class Bucket:
         self.launched = False
         self.seen = None      # [(gradient, its version)] as copied into the send buffer
         self.work = None      # the asynchronous reduce-scatter (None: done, or nothing to wait for)
-        self.send = self.slots = None
+        self.send = self.slots = None  # the send buffer and its views (GradientReducer._send_buffer)
+        self.whole = self.cut = None     # the slots split: whole parameters (indices, views), cut pieces
 
 
 def plan_buckets(params, world, chunk, cap_bytes):
@@ -171,26 +172,31 @@ class GradientReducer:
             if nb.launched or len(nb.ready) < len(nb.params):
                 break
             with torch.no_grad():
-                self._launch(nb)
+                self._launch(nb, track=True)
             self.next += 1
 
-    def _launch(self, b):
+    def _launch(self, b, track=False):
         """Copies every rank's pieces of the local gradients into b's send rows (zeros where a
-        parameter has no gradient here) and starts the reduce-scatter into this rank's shard."""
+        parameter has no gradient here) and starts the reduce-scatter into this rank's shard.
+        track: remember the gradients sent (tensor, version), to find at the step what changed."""
         send, slots = self._send_buffer(b)
         grads = [p.grad for p in b.params]
-        dst, src, zero = [], [], []
-        for k, pc, view, whole in slots:
-            g = grads[k]
-            if g is None:
-                zero.append(view)
-                continue
-            if not whole:
-                if g.is_sparse or not g.is_contiguous():
-                    raise grad_error(pc.param, g)
-                g = g.view(-1)[pc.begin:pc.end]
-            dst.append(view)
-            src.append(g)
+        zero = []
+        if any(g is None for g in grads):
+            dst, src = [], []
+            for k, pc, view, whole in slots:
+                g = grads[k]
+                if g is None:
+                    zero.append(view)
+                    continue
+                dst.append(view)
+                src.append(g if whole else self._cut(pc, g))
+        else:  # the usual case, with no loop over the slots: whole parameters as they are, then the cut pieces
+            index, views = b.whole
+            dst = views + [view for _, _, view in b.cut] if b.cut else views
+            src = grads if len(index) == len(grads) else [grads[k] for k in index]
+            if b.cut:
+                src = src + [self._cut(pc, grads[k]) for k, pc, _ in b.cut]
         if dst:
             try:
                 torch._foreach_copy_(dst, src)
@@ -201,7 +207,7 @@ class GradientReducer:
                 raise
         if zero:
             torch._foreach_zero_(zero)
-        b.seen = [None if g is None else (g, g._version) for g in grads]
+        b.seen = [None if g is None else (g, g._version) for g in grads] if track else None
         b.launched = True
         b.work = None
         if self.world > 1:
@@ -226,7 +232,17 @@ class GradientReducer:
                         view, whole = b.send[r, at:at + n], n == pc.param.numel()
                         b.slots.append((local[id(pc.param)], pc, view.view(pc.param.shape) if whole else view, whole))
                     at += n
+            # Each parameter is either whole in one rank's row or cut into pieces of several rows.
+            whole = sorted(((k, view) for k, _, view, w in b.slots if w), key=lambda kv: kv[0])
+            b.whole = ([k for k, _ in whole], [view for _, view in whole])
+            b.cut = [(k, pc, view) for k, pc, view, w in b.slots if not w]
         return b.send, b.slots
+
+    @staticmethod
+    def _cut(pc, g):
+        if g.is_sparse or not g.is_contiguous():
+            raise grad_error(pc.param, g)
+        return g.view(-1)[pc.begin:pc.end]
 
     def _reduce_scatter(self, out, send):
         """Starts out = this rank's row of the sum of every rank's `send` ([world, n]); returns the work
