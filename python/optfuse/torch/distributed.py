@@ -205,8 +205,8 @@ class ZeRO(torch.optim.Optimizer):
         its steps all-gather the per-chunk partials of every rank into the global chunk order. The
         global chunks are the unsharded engine's: every chunk of every parameter in this engine's
         table (every rank's engine lists the same parameters, in the same order)."""
-        if not engine.core.plan.reduction_scopes:
-            return
+        if not engine.core.plan.reduction_scopes or self.world == 1:
+            return  # (one rank: its partials are all of them, and the step stays capturable)
         chunk = self._chunk
         if engine.core.chunk_elements != chunk:
             raise OptfuseError(f"ZeRO: the {engine.backend} backend cuts {engine.core.chunk_elements}-element chunks, "
