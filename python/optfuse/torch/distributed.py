@@ -176,12 +176,14 @@ class ZeRO(torch.optim.Optimizer):
         self._all_gather_into = None  # whether the backend has all_gather_into_tensor: found out on first use
         self._reducer = None
         if self.stage == 2:
-            # This rank's averaged gradients, bucket by bucket as backward produces them (hooks).
+            self._reduced = False
+            self._clip_norms = []  # clip_grad_norm_'s max_norm since the last step
+        if self.stage == 2 and self.world > 1:
+            # This rank's averaged gradients, bucket by bucket as backward produces them (hooks). (One
+            # rank has nothing to reduce: its gradients are read where they are, as in stage 1.)
             self._reducer = GradientReducer(params, self._buckets, self.rank, self.world, self.process_group,
                                             self._device)
             self._reducer.overlap = self.overlap
-            self._reduced = False
-            self._clip_norms = []  # clip_grad_norm_'s max_norm since the last step
         mine = {id(pc.param): pc for pc in self._mine}
         inner_groups = []
         for g in self.param_groups:
@@ -197,7 +199,7 @@ class ZeRO(torch.optim.Optimizer):
         # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
         self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
         self._inner._on_engine_built = self._set_exchange
-        if self.stage == 1:
+        if self._reducer is None:
             self._inner._grad_sources = {id(pc.view): (pc.param, pc.begin) for pc in self._mine}
 
     def _set_exchange(self, engine):
@@ -284,8 +286,9 @@ class ZeRO(torch.optim.Optimizer):
             grad_scale = getattr(self, "grad_scale", None)
         if found_inf is None:
             found_inf = getattr(self, "found_inf", None)
-        if self.stage == 2:
+        if self._reducer is not None:
             self._finish_reduction(grad_scale, found_inf)
+        if self.stage == 2:
             self._reduced = False
             self._clip_norms = []
             if found_inf is not None and self.world > 1:
@@ -293,8 +296,8 @@ class ZeRO(torch.optim.Optimizer):
                 # an inf or NaN (a step that some ranks skip would hang the all-gather).
                 found_inf = found_inf.clone()
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
-        # stage 1: the inner optimizer reads each piece's gradient from its parameter's .grad, at the
-        # piece's offset (_grad_sources): nothing to do per piece here
+        # stage 1 (and stage 2 on one rank): the inner optimizer reads each piece's gradient from its
+        # parameter's .grad, at the piece's offset (_grad_sources): nothing to do per piece here
         if self._clip_coef is not None:  # clip_grad_norm_ since the last step: g * coef = g / (1 / coef)
             scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=self._device)
             grad_scale = (scale / self._clip_coef).reshape(())
@@ -361,7 +364,7 @@ class ZeRO(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise OptfuseError(f"ZeRO.clip_grad_norm_: norm_type={norm_type!r}; only the 2-norm is built")
         with torch.no_grad():
-            if self.stage == 2:
+            if self._reducer is not None:
                 if not self._reduced:
                     self._reducer.finish()
                     self._reduced = True
@@ -390,9 +393,10 @@ class ZeRO(torch.optim.Optimizer):
         if self.stage != 2:
             raise OptfuseError("ZeRO.reduce_gradients: only stage=2 reduces gradients (stage=1 takes DDP's)")
         with torch.no_grad():
-            self._reducer.finish()
+            if self._reducer is not None:
+                self._reducer.finish()
             bad = torch.zeros(1, dtype=torch.float32, device=self._device)
-            for buf in self._reducer.shards.values():
+            for buf in self.grad_shards().values():
                 if buf.numel():
                     bad = torch.maximum(bad, (~torch.isfinite(buf)).any().to(torch.float32).reshape(1))
             if self.world > 1:
@@ -404,9 +408,19 @@ class ZeRO(torch.optim.Optimizer):
         self._reduced = True
 
     def grad_shards(self):
-        """Stage 2: {dtype: this rank's averaged gradients} (flat, in the order of its shard; valid
-        from reduce_gradients() or step() until the next reduction)."""
-        return dict(self._reducer.shards)
+        """Stage 2: {dtype: this rank's averaged gradients} (flat, in the order of its shard, padded per
+        bucket; valid from reduce_gradients() or step() until the next reduction). On one rank, whose
+        gradients are stepped where they are, a flat copy of them made on request."""
+        if self.stage != 2:
+            raise OptfuseError("ZeRO.grad_shards: only stage=2 keeps averaged gradient shards")
+        if self._reducer is not None:
+            return dict(self._reducer.shards)
+        out = {}
+        for dtype, per_rank in self._layout.items():
+            parts = [pc.param.grad.reshape(-1)[pc.begin:pc.end] if pc.param.grad is not None
+                     else torch.zeros(pc.end - pc.begin, dtype=dtype, device=self._device) for pc in per_rank[self.rank]]
+            out[dtype] = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype, device=self._device)
+        return out
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -416,6 +430,9 @@ class ZeRO(torch.optim.Optimizer):
         later backward changed: correct, at the cost of the traffic."""
         if self.stage != 2:
             raise OptfuseError("ZeRO.no_sync: only stage=2 reduces gradients (stage=1 takes DDP's: use DDP's no_sync)")
+        if self._reducer is None:  # one rank: nothing is sent anyway
+            yield
+            return
         old, self._reducer.no_sync = self._reducer.no_sync, True
         try:
             yield
@@ -426,11 +443,12 @@ class ZeRO(torch.optim.Optimizer):
     def _reduce_scatter(self):
         """Stage 2: whether the backend has reduce_scatter_tensor (None until the first reduction; False:
         the all_reduce fallback)."""
-        return self._reducer.reduce_scatter
+        return self._reducer.reduce_scatter if self._reducer is not None else None
 
     @_reduce_scatter.setter
     def _reduce_scatter(self, value):
-        self._reducer.reduce_scatter = value
+        if self._reducer is not None:
+            self._reducer.reduce_scatter = value
 
     def _all_gather_params(self):
         """Every rank's pieces to every rank: one all_gather per dtype of equal-length (padded) rows of a
