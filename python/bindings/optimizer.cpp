@@ -425,11 +425,15 @@ class PyOptimizer {
 class GradWatch {
  public:
   // offsets: bytes added to each gradient's data pointer (ZeRO's pieces: a piece's gradient is its
-  // parameter's, `begin` elements in); none: 0.
-  GradWatch(std::vector<nb::object> params, std::vector<int64_t> offsets)
-      : params_(std::move(params)), offsets_(std::move(offsets)) {
+  // parameter's, `begin` elements in); none: 0. local_shard: per parameter, whether its gradient is
+  // a DTensor whose local tensor (`_local_tensor`, FSDP2's shard) is what the kernel reads; none: no.
+  GradWatch(std::vector<nb::object> params, std::vector<int64_t> offsets, std::vector<bool> local_shard)
+      : params_(std::move(params)), offsets_(std::move(offsets)), local_(std::move(local_shard)) {
     if (offsets_.empty()) offsets_.assign(params_.size(), 0);
-    if (offsets_.size() != params_.size()) throw Error("_GradWatch: one offset per parameter");
+    if (local_.empty()) local_.assign(params_.size(), false);
+    if (offsets_.size() != params_.size() || local_.size() != params_.size())
+      throw Error("_GradWatch: one offset and one local_shard flag per parameter");
+    name_local_ = nb::steal(PyUnicode_InternFromString("_local_tensor"));
     refs_.resize(params_.size());
     ptrs_.assign(params_.size(), 0);
     has_.assign(params_.size(), false);
@@ -444,6 +448,12 @@ class GradWatch {
     for (size_t i = 0; i < params_.size(); ++i) {
       PyObject* g = get_grad(params_[i].ptr());
       if (!g) throw nb::python_error();
+      if (local_[i] && g != Py_None) {  // the DTensor gradient's local shard
+        PyObject* l = PyObject_GetAttr(g, name_local_.ptr());
+        Py_DECREF(g);
+        if (!l) throw nb::python_error();
+        g = l;
+      }
       nb::object grad = nb::steal(g);
       bool has = g != Py_None;
       if (has != has_[i]) return 2;
@@ -471,6 +481,7 @@ class GradWatch {
     nb::list out;
     for (size_t i = 0; i < params_.size(); ++i) {
       nb::object grad = params_[i].attr(name_grad_);
+      if (local_[i] && !grad.is_none()) grad = grad.attr(name_local_);
       has_[i] = !grad.is_none();
       refs_[i] = has_[i] ? weak(grad) : nb::object();
       ptrs_[i] = 0;
@@ -516,9 +527,10 @@ class GradWatch {
 
   std::vector<nb::object> params_, refs_;
   std::vector<int64_t> offsets_;
+  std::vector<bool> local_;
   std::vector<uint64_t> ptrs_;
   std::vector<bool> has_;
-  nb::object name_grad_, name_data_ptr_, name_is_contiguous_;
+  nb::object name_grad_, name_data_ptr_, name_is_contiguous_, name_local_;
   PyTypeObject* cached_type_ = nullptr;
   PyGetSetDef* getter_ = nullptr;
 };
@@ -597,7 +609,8 @@ void bind_optimizer(nb::module_& m) {
       .def("_set_exchange", &PyOptimizer::set_exchange, "global_chunks"_a, "firsts"_a, "counts"_a, "fn"_a.none());
 
   nb::class_<GradWatch>(m, "_GradWatch")
-      .def(nb::init<std::vector<nb::object>, std::vector<int64_t>>(), "params"_a, "offsets"_a = std::vector<int64_t>())
+      .def(nb::init<std::vector<nb::object>, std::vector<int64_t>, std::vector<bool>>(), "params"_a,
+           "offsets"_a = std::vector<int64_t>(), "local_shard"_a = std::vector<bool>())
       .def("check", &GradWatch::check)
       .def("snapshot", &GradWatch::snapshot)
       .def("pointers", [](const GradWatch& w) { return w.pointers(); })

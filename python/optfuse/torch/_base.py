@@ -561,13 +561,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _watch_gradients(self, params, dtensors):
         """Makes the GradWatch that each step() asks whether gradients moved; returns each parameter's
         gradient (None where absent) as the kernel reads it.
-        - A DTensor parameter (FSDP2) is watched through its local gradient shard.
+        - A DTensor parameter (FSDP2) is watched through its gradient's local shard (`_local_tensor`).
         - A ZeRO stage-1 piece (`_grad_sources`: id(piece) -> (parameter, first element)) is watched
           through its parameter's gradient at the piece's offset: no view per piece and step."""
         sources = self.__dict__.get("_grad_sources")
         if sources is None:
-            self._watch = _core._GradWatch([_dtensor.LocalGrad(p) if _dtensor.is_dtensor(p) else p for p in params]
-                                           if dtensors else params)
+            self._watch = _core._GradWatch(params, [], [_dtensor.is_dtensor(p) for p in params] if dtensors else [])
             return self._watch.snapshot()
         whole = [sources[id(p)][0] for p in params]
         self._watch = _core._GradWatch(whole, [sources[id(p)][1] * p.element_size() for p in params])

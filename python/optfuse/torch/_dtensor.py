@@ -33,21 +33,6 @@ def local(t):
     return t._local_tensor if is_dtensor(t) else t
 
 
-class LocalGrad:
-    """What the GradWatch watches in place of a DTensor parameter: `.grad` is the local shard of the
-    parameter's DTensor gradient (FSDP2 sets a new DTensor after each backward; its local tensor is
-    what the kernel reads)."""
-    __slots__ = ("param",)
-
-    def __init__(self, param):
-        self.param = param
-
-    @property
-    def grad(self):
-        g = self.param.grad
-        return None if g is None else local(g)
-
-
 def check_grad(name, p, tg):
     """A DTensor parameter's gradient must be sharded as the parameter (FSDP2's reduce-scattered
     gradient): then its local tensor and the parameter's hold the same elements."""
@@ -131,6 +116,8 @@ def set_mesh_exchange(name, engine):
     if mesh.ndim != 1:
         raise _error(f"{name}: the chain has reductions and the parameters' device mesh has {mesh.ndim} dimensions "
                      f"({mesh}); reductions over a 1-D mesh (FSDP2 without HSDP) only")
+    if mesh.size() == 1:
+        return  # one rank: its partials are all of them
     chunk = engine.core.chunk_elements
     world, me, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
     # chunks[t][r]: rank r's local chunks of tensor t; local_first[r][t]: where they start in its table
