@@ -15,8 +15,6 @@ one dict lookup and import nothing.
 """
 import sys
 
-import torch
-
 
 def _dtensor_class():
     mod = sys.modules.get("torch.distributed.tensor")
@@ -99,7 +97,7 @@ def set_mesh_exchange(name, engine):
     deterministic run to run. Not bitwise the unsharded step's (its chunks are cut elsewhere in the
     tensor), which ZeRO's chunk-aligned shards are."""
     from torch.distributed.tensor import Replicate
-    import torch.distributed as dist
+    from ._partials import gather_exchange
     params = engine.params
     if not params:
         return
@@ -137,21 +135,7 @@ def set_mesh_exchange(name, engine):
         for r in owners:
             source.extend(r * width + local_first[r][t] + k for k in range(chunks[t][r]))
         counts.append(len(source) - firsts[-1])
-    cache = {}
-
-    def exchange(phase, rows, local, glob):
-        device = local.device
-        if device not in cache:
-            cache[device] = torch.tensor(source, dtype=torch.long, device=device)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-        send = torch.zeros(len(rows), width, dtype=local.dtype, device=device)
-        send[:, :mine] = local.index_select(0, rows_t)
-        recv = [torch.empty_like(send) for _ in range(world)]
-        dist.all_gather(recv, send, group=group)
-        gathered = torch.cat(recv, dim=1)  # [rows, world x width]: rank r's columns at r * width
-        glob[rows_t] = gathered.index_select(1, cache[device])
-
-    engine.core._set_exchange(len(source), firsts, counts, exchange)
+    engine.core._set_exchange(len(source), firsts, counts, gather_exchange(source, width, mine, world, group))
 
 
 def _error(msg):

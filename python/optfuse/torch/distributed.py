@@ -71,6 +71,7 @@ import torch.distributed as dist
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError
 from ._fused import fuse
+from ._partials import gather_exchange
 from ._zero_buckets import DEFAULT_BUCKET_MB, GradientReducer, plan_buckets, shard_ranges  # noqa: F401 (shard_ranges: API)
 
 def _to_bytes(obj):
@@ -238,20 +239,8 @@ class ZeRO(torch.optim.Optimizer):
         for r, at, first, n in runs:
             source[first:first + n] = range(r * width + at, r * width + at + n)
         mine = sum(n for r, _, _, n in runs if r == self.rank)
-        group, cache = self.process_group, {}
-
-        def exchange(phase, rows, local, glob):
-            device = local.device
-            if device not in cache:
-                cache[device] = torch.tensor(source, dtype=torch.long, device=device)
-            rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-            send = torch.zeros(len(rows), width, dtype=local.dtype, device=device)
-            send[:, :mine] = local.index_select(0, rows_t)
-            recv = [torch.empty_like(send) for _ in range(self.world)]
-            dist.all_gather(recv, send, group=group)
-            glob[rows_t] = torch.cat(recv, dim=1).index_select(1, cache[device])
-
-        engine.core._set_exchange(global_chunks, firsts, counts, exchange)
+        engine.core._set_exchange(global_chunks, firsts, counts,
+                                  gather_exchange(source, width, mine, self.world, self.process_group))
 
     def _take_state_from(self, optimizer):
         """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
