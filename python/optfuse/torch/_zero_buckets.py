@@ -71,13 +71,14 @@ class Piece:
 class Bucket:
     """Consecutive parameters of one dtype, cut into one range per rank."""
     __slots__ = ("dtype", "params", "ranges", "row", "offset", "pieces", "ready", "launched", "seen", "work",
-                 "send", "slots", "whole", "cut")
+                 "send", "slots", "whole", "cut", "expected")
 
     def __init__(self, dtype):
         self.dtype, self.params = dtype, []
         self.ranges, self.row, self.offset = None, 0, 0
         self.pieces = None    # [rank] -> its pieces of this bucket's parameters, in flat order
         self.ready = set()    # ids of parameters whose gradient backward has produced since the last step
+        self.expected = 0     # how many of its parameters backward can produce a gradient for (requires_grad)
         self.launched = False
         self.seen = None      # [(gradient, its version)] as copied into the send buffer
         self.work = None      # the asynchronous reduce-scatter (None: done, or nothing to wait for)
@@ -150,6 +151,8 @@ class GradientReducer:
             if reducer is not None:
                 reducer._produced(p)
 
+        for b in buckets:
+            b.expected = sum(p.requires_grad for p in b.params)
         for key in [k for k, (ref, _) in _HOOKS.items() if ref() is None]:
             del _HOOKS[key]  # parameters that are gone
         for p in params:
@@ -169,7 +172,7 @@ class GradientReducer:
         b.ready.add(id(p))
         while self.next < len(self.order):
             nb = self.order[self.next]
-            if nb.launched or len(nb.ready) < len(nb.params):
+            if nb.launched or len(nb.ready) < nb.expected:
                 break
             with torch.no_grad():
                 self._launch(nb, track=True)
