@@ -60,6 +60,9 @@ gathering: each per-element state of parameter i is a ShardedTensor of the param
 size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP reshards on load:
 saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
 local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
+
+Muon and MuonWithAuxAdam (stage 1 only): Newton-Schulz needs whole matrices, so their shards are cut
+at tensor starts only; each rank steps the parameters it owns, whole, with the wrapped class.
 """
 import contextlib
 import io
@@ -101,14 +104,19 @@ class ZeRO(torch.optim.Optimizer):
             raise OptfuseError(f"ZeRO: stage={stage!r} is not built (stage=1: gradients all-reduced by DDP; stage=2: "
                                "ZeRO reduce-scatters the local gradients itself)")
         from ._muon import Muon, MuonWithAuxAdam
-        if isinstance(optimizer, (Muon, MuonWithAuxAdam)):
-            # Shards are flat element ranges that cut matrices; Newton-Schulz needs each matrix whole.
-            raise OptfuseError(f"ZeRO: {type(optimizer).__name__} orthogonalises whole matrices, which ZeRO's flat "
-                               "shards cut apart; a shard owning whole matrices is not built yet (issue 12)")
+        # Muon orthogonalises whole matrices: each rank then owns whole parameters (see _plan_shards)
+        self._whole = isinstance(optimizer, (Muon, MuonWithAuxAdam))
+        if self._whole and stage != 1:
+            raise OptfuseError(f"ZeRO: stage={stage} of {type(optimizer).__name__} is not built (stage 1 is: each rank "
+                               "owns whole matrices and steps them with the gradients DDP averaged)")
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
-        if not isinstance(optimizer, FusedOptimizer):
+        if not self._whole and not isinstance(optimizer, FusedOptimizer):
             optimizer = fuse(optimizer)
+        if self._whole:
+            # Muon takes GradScaler's standard path (it unscales the gradients, then calls step()), as
+            # torch.optim.Muon does
+            self._step_supports_amp_scaling = False
         self.optimizer = optimizer
         self.process_group = process_group
         self.stage = stage
@@ -160,7 +168,10 @@ class ZeRO(torch.optim.Optimizer):
         # the same order, and all of them take part in every exchange. Stage 1 reduces no gradients:
         # one bucket per dtype.
         cap = self.bucket_cap_mb * 2 ** 20 if self.stage == 2 else None
-        self._buckets, self._pieces = plan_buckets(params, self.world, self._chunk, cap)
+        # Muon: cuts at tensor starts only (a "chunk" longer than the model), so every matrix is whole
+        # on the rank that owns it
+        cut = self._chunk if not self._whole else sum(p.numel() for p in params) + 1
+        self._buckets, self._pieces = plan_buckets(params, self.world, cut, cap)
         self._mine = self._pieces[self.rank]
         self._piece_of_view = {id(pc.view): pc for pc in self._mine}
         # Per dtype: every rank's pieces of that dtype in flat order, and the length of the longest
@@ -189,7 +200,13 @@ class ZeRO(torch.optim.Optimizer):
         inner_groups = []
         for g in self.param_groups:
             options = {k: v for k, v in g.items() if k != "params"}
-            inner_groups.append(dict(options, params=[mine[id(p)].view for p in g["params"]]))
+            if self._whole:  # the matrices this rank owns, as they are
+                inner_groups.append(dict(options, params=[p for p in g["params"] if mine[id(p)].end > 0]))
+            else:
+                inner_groups.append(dict(options, params=[mine[id(p)].view for p in g["params"]]))
+        if self._whole:
+            self._inner = type(self.optimizer)(inner_groups)
+            return
         cls = type(self.optimizer)
         self._inner = cls.__new__(cls)
         # The class's own settings (a Fused optimizer's chain and names, ...); the base __init__ then
@@ -244,6 +261,21 @@ class ZeRO(torch.optim.Optimizer):
 
     def _take_state_from(self, optimizer):
         """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
+        if self._whole:  # Muon: the states of the matrices this rank owns, as they are
+            muon, adam = (optimizer, None) if not hasattr(optimizer, "_adam") else (optimizer._muon, optimizer._adam)
+            if adam is not None and adam._engines:
+                adam._sync_steps(write_state=True)
+            for pc in self._mine:
+                if pc.end > 0 and optimizer.state.get(pc.param):
+                    self._inner.state[pc.param] = {k: v.clone() if torch.is_tensor(v) else v
+                                                   for k, v in optimizer.state[pc.param].items()}
+            optimizer.state.clear()
+            # retired: it holds no state now, and no tables that could write stale counts into a state
+            if muon is not None:
+                muon._init_private()
+            if adam is not None:
+                adam._engines, adam._steps, adam._of_dirty = {}, {}, True
+            return
         if optimizer._engines:  # it has stepped: its step counts may be newer than its state's
             optimizer._sync_steps(write_state=True)
         for pc in self._mine:
@@ -287,6 +319,8 @@ class ZeRO(torch.optim.Optimizer):
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
         # stage 1 (and stage 2 on one rank): the inner optimizer reads each piece's gradient from its
         # parameter's .grad, at the piece's offset (_grad_sources): nothing to do per piece here
+        if self._whole:
+            return self._step_whole(loss, grad_scale, found_inf)
         if self._clip_coef is not None:  # clip_grad_norm_ since the last step: g * coef = g / (1 / coef)
             scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=self._device)
             grad_scale = (scale / self._clip_coef).reshape(())
@@ -298,6 +332,20 @@ class ZeRO(torch.optim.Optimizer):
             # grad_shards() until the next step).
             for p in self._params():
                 p.grad = None
+        return loss
+
+    def _step_whole(self, loss, grad_scale, found_inf):
+        """Muon: the owned matrices stepped by the wrapped class, then every rank's parameters gathered."""
+        if grad_scale is not None or found_inf is not None:
+            raise OptfuseError(f"ZeRO of {type(self.optimizer).__name__}: grad_scale / found_inf are not taken (as "
+                               "torch.optim.Muon: GradScaler unscales the gradients itself and skips step() on an inf)")
+        if self._clip_coef is not None:  # clip_grad_norm_ since the last step: the owned gradients scaled
+            grads = [pc.param.grad for pc in self._mine if pc.end > 0 and pc.param.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self._clip_coef.to(grads[0].dtype))
+            self._clip_coef = None
+        self._inner.step()
+        self._all_gather_params()
         return loss
 
     def _finish_reduction(self, grad_scale, found_inf):
@@ -489,7 +537,9 @@ class ZeRO(torch.optim.Optimizer):
     def state_dict(self):
         """The unsharded state dict in the wrapped optimizer's (torch's) format, on every rank. The
         pieces travel as CPU tensors through all_gather_object (simple, not fast: for checkpoints)."""
-        self._inner._sync_steps(write_state=True)  # step counts into the pieces' state
+        sync = getattr(getattr(self._inner, "_adam", None) if self._whole else self._inner, "_sync_steps", None)
+        if sync is not None:
+            sync(write_state=True)  # step counts into the pieces' state
         # Group-level state the class writes into its groups when saving (timm's Lamb keeps its step
         # count in the group): every rank's pieces have the same counts, so the inner groups' value
         # is the unsharded one.
@@ -500,8 +550,8 @@ class ZeRO(torch.optim.Optimizer):
                     outer[k] = v
         local = {}
         for pc in self._mine:
-            st = self._inner.state.get(pc.view)
-            if st:
+            st = self._inner.state.get(pc.param if self._whole else pc.view)
+            if st and (pc.end > pc.begin or not self._whole):
                 local[(self._param_index[id(pc.param)], pc.begin, pc.end)] = {
                     k: (v.detach().cpu(), str(v.device)) if torch.is_tensor(v) else (v, None) for k, v in st.items()}
         gathered = [None] * self.world
@@ -554,6 +604,9 @@ class ZeRO(torch.optim.Optimizer):
             dcp.load(sd, checkpoint_id=path)
             zero.load_sharded_state_dict(sd)
         """
+        if self._whole:
+            raise OptfuseError(f"ZeRO of {type(self.optimizer).__name__}: sharded (DCP) checkpoints are not built; "
+                               "state_dict() gives the consolidated one")
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties

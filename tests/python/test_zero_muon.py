@@ -1,0 +1,103 @@
+"""optfuse.torch.distributed.ZeRO around Muon and MuonWithAuxAdam (stage 1) on CPU ranks over gloo.
+
+Newton-Schulz orthogonalises whole matrices, so each rank owns whole parameters (shards cut at
+tensor starts only) and steps them with the wrapped class; the parameters are then all-gathered.
+On 1, 2 and 3 processes, given the same (averaged) gradients on every rank, the parameters after 8
+steps and the consolidated state dict (also reloaded into a new ZeRO mid-run) equal the unsharded
+optimizer's, and each rank holds only its matrices' state. Stage 2 is refused with the reason.
+Processes start with torch.multiprocessing, rendezvous through a file, and are bounded by timeouts."""
+import copy
+import json
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+from ranks import spawn_ranks
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
+
+STEPS = 8
+
+
+def make_model():
+    torch.manual_seed(0)  # the same model on every rank; two 32 x 32 matrices (one Newton-Schulz batch unsharded)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 32, bias=False),
+                               torch.nn.Linear(32, 32), torch.nn.Linear(32, 24, bias=False))
+
+
+def split(model):
+    params = list(model.parameters())
+    return [p for p in params if p.dim() == 2], [p for p in params if p.dim() != 2]
+
+
+def make(oft, label, model):
+    matrices, others = split(model)
+    if label == "Muon":
+        return oft.Muon(matrices, lr=0.02, weight_decay=0.01)
+    return oft.MuonWithAuxAdam([dict(params=matrices, use_muon=True, lr=0.02, weight_decay=0.01),
+                                dict(params=others, use_muon=False, lr=1e-3, weight_decay=0.01)])
+
+
+def same(a, b):
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def worker(rank, world, init_file, out_dir):
+    import optfuse
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    for label in ("Muon", "MuonWithAuxAdam"):
+        model = make_model()
+        ref_model = copy.deepcopy(model)
+        zero, ref = ZeRO(make(oft, label, model)), make(oft, label, ref_model)
+        for s in range(STEPS):
+            if s == STEPS // 2:  # the consolidated state dict into a new ZeRO mid-run
+                sd = zero.state_dict()
+                mid_state_equal = same(sd["state"], ref.state_dict()["state"])
+                zero = ZeRO(make(oft, label, model))
+                zero.load_state_dict(sd)
+            g = torch.Generator().manual_seed(s)  # the same "averaged" gradients on every rank
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                p.grad = torch.randn(p.shape, generator=g)
+                q.grad = p.grad.clone()
+            zero.step()
+            ref.step()
+        full = sum(v.numel() for st in ref.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
+        out[label] = dict(params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
+                          moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())),
+                          state_equal=same(zero.state_dict()["state"], ref.state_dict()["state"]),
+                          mid_state_equal=mid_state_equal, local=zero.local_state_numel(), full=full)
+    try:
+        ZeRO(make(oft, "Muon", make_model()), stage=2)
+        out["stage2"] = "no error"
+    except optfuse.OptfuseError as e:
+        out["stage2"] = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_zero_of_muon_owns_whole_matrices_and_equals_the_unsharded_optimizer(world, tmp_path):
+    results = spawn_ranks(worker, world, tmp_path)
+    for rank, res in enumerate(results):
+        for label in ("Muon", "MuonWithAuxAdam"):
+            r = res[label]
+            assert r["moved"], (label, "training did not move the parameters: the comparison would be vacuous")
+            assert r["params_equal"] and r["state_equal"] and r["mid_state_equal"], (world, rank, label, r)
+            if world > 1:  # only the owned matrices' state (whole matrices: not exactly 1/N)
+                assert r["local"] < r["full"], (world, rank, label, r)
+        assert sum(res[label]["local"] for res in results) == results[0][label]["full"], label
+        assert "stage=2" in res["stage2"] and "not built" in res["stage2"], res["stage2"]
