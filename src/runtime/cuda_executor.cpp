@@ -318,7 +318,7 @@ class CudaExecutor : public Executor {
     std::vector<uint64_t> words = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
     // Rows that differ other than in their gradient word (a parameter or a state moved: the
     // torch.compile path hands over copies) need the whole table; gradients alone only the tail.
-    const size_t row = 2 + static_cast<size_t>(plan_.num_states()) + kTensorTableExtraWords;
+    const size_t row = tensor_row_words(plan_.num_states());
     const size_t tail = grad_tail_word(ranges_.size(), plan_.num_states());
     bool rows_changed = false;
     for (size_t w = 0; w < tail && !rows_changed; ++w) rows_changed = w % row != 1 && words[w] != words_[w];

@@ -4,9 +4,8 @@ namespace optfuse {
 
 std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
                                          const std::vector<ChunkRange>& ranges, const std::vector<int>& variants) {
-  size_t roles = 2 + static_cast<size_t>(num_states);
   std::vector<uint64_t> words;
-  words.reserve(tensors.size() * (roles + kTensorTableExtraWords + 1));
+  words.reserve(tensors.size() * (tensor_row_words(num_states) + 1));
   for (size_t i = 0; i < tensors.size(); ++i) {
     const TensorRef& t = tensors[i];
     words.push_back(reinterpret_cast<uint64_t>(t.param.data));

@@ -20,10 +20,11 @@ namespace optfuse {
 
 constexpr size_t kTensorTableExtraWords = 5;  // words after the role pointers
 
+// Words of one tensor's row: a pointer per role (param, grad, each state), then the extra words.
+inline size_t tensor_row_words(int num_states) { return 2 + static_cast<size_t>(num_states) + kTensorTableExtraWords; }
+
 // Index of the first word of the gradient-pointer tail (after every tensor's row).
-inline size_t grad_tail_word(size_t num_tensors, int num_states) {
-  return num_tensors * (2 + static_cast<size_t>(num_states) + kTensorTableExtraWords);
-}
+inline size_t grad_tail_word(size_t num_tensors, int num_states) { return num_tensors * tensor_row_words(num_states); }
 
 // `ranges` (chunk_ranges) is computed once per tensor set: rebuilding the table for new gradient
 // pointers (every step of a zero_grad loop) stays linear in the tensors, not the chunks.

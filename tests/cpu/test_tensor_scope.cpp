@@ -109,7 +109,7 @@ TEST(TensorTable, ChunkRangesGiveEachTensorItsChunks) {
   EXPECT_EQ(r[3].first, 5u);
   EXPECT_EQ(r[3].count, 1u);
   std::vector<uint64_t> words = build_tensor_table(ts, 0, r, std::vector<int>(ts.size(), 0));
-  const size_t row = 2 + kTensorTableExtraWords;  // param, grad pointers; numel; group|variant; chunk range; rng key, offset
+  const size_t row = tensor_row_words(0);  // param, grad pointers; numel; group|variant; chunk range; rng key, offset
   ASSERT_EQ(words.size(), 4 * row + 4);  // and the gradient-pointer tail
   EXPECT_EQ(words[2 * row + 4], uint64_t{2} | (uint64_t{3} << 32));
   EXPECT_EQ(words[3 * row + 4], uint64_t{5} | (uint64_t{1} << 32));
