@@ -291,6 +291,44 @@ def test_fsdp2_steps_local_shards_bitwise_as_unsharded(world, tmp_path):
     check(run_ranks(world, tmp_path), world)
 
 
+def hsdp_worker(rank, world, init_file, out_dir):
+    """HSDP (a 2 x 2 mesh: replicate x shard) on 4 gloo ranks: the reducing chains reduce within the
+    shard dimension (every replica computes the same values), against the unsharded optimizer."""
+    out = {}
+    try:
+        import optfuse.torch as oft
+        from torch.distributed.device_mesh import init_device_mesh
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        for label, make in REDUCING:
+            ref_model = make_model()
+            model = shard(make_model(), mesh)
+            opt, ref = make(oft, model.parameters()), make(oft, ref_model.parameters())
+            train(model, opt, ref_model, ref, [], rank, 0, STEPS)
+            out[label] = dict(
+                placements=str(next(model.parameters()).placements),
+                rel_err=max(float((p.full_tensor() - q).abs().max() / q.abs().max())
+                            for p, q in zip(model.parameters(), ref_model.parameters())),
+                moved=any(not torch.equal(p, q) for p, q in zip(ref_model.parameters(), make_model().parameters())))
+    except Exception:
+        out["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_hsdp_reductions_run_within_the_shard_dimension(tmp_path):
+    results = spawn_ranks(hsdp_worker, 4, tmp_path, timeout=600)
+    for rank, res in enumerate(results):
+        assert "error" not in res, f"rank {rank}:\n{res['error']}"
+        for label, _ in REDUCING:
+            r = res[label]
+            assert "Replicate" in r["placements"] and "Shard" in r["placements"], r  # really HSDP
+            assert r["moved"] and r["rel_err"] <= 1e-6, (rank, label, r)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_fsdp2_on_cuda_over_nccl(world, tmp_path):
     if not torch.cuda.is_available() or not dist.is_nccl_available():

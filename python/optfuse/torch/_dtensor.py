@@ -62,13 +62,13 @@ def as_state(t, p):
                  f"(local shard {tuple(p._local_tensor.shape)}): neither")
 
 
-def _local_numels(p, name):
-    """Elements of DTensor p's local shard on each rank of its (1-D) mesh, in mesh order. A Shard(d)
-    placement cuts dim d as torch.chunk does (FSDP2's fully_shard: ceil(size / N) rows per rank, the
-    last ranks fewer or none); Replicate: the whole tensor everywhere."""
+def _local_numels(p, name, dim):
+    """Elements of DTensor p's local shard on each rank of mesh dimension `dim`, in mesh order. A
+    Shard(d) placement cuts dim d as torch.chunk does (FSDP2's fully_shard: ceil(size / N) rows per
+    rank, the last ranks fewer or none); Replicate: the whole tensor everywhere."""
     from torch.distributed.tensor import Replicate, Shard
-    mesh, (placement,) = p.device_mesh, p.placements
-    world = mesh.size()
+    mesh, placement = p.device_mesh, p.placements[dim]
+    world = mesh.size(dim)
     if isinstance(placement, Replicate):
         sizes = [p.numel()] * world
     elif isinstance(placement, Shard):
@@ -80,10 +80,10 @@ def _local_numels(p, name):
     else:
         raise _error(f"{name}: the DTensor parameter of shape {tuple(p.shape)} has placement {placement}; a chain "
                      "with reductions steps Shard(d) or Replicate parameters")
-    if sizes[mesh.get_local_rank()] != p._local_tensor.numel():
+    if sizes[mesh.get_local_rank(dim)] != p._local_tensor.numel():
         raise _error(f"{name}: the DTensor parameter of shape {tuple(p.shape)} ({placement}) holds "
-                     f"{p._local_tensor.numel()} elements on this rank, not the {sizes[mesh.get_local_rank()]} of an "
-                     "even torch.chunk split; a chain with reductions needs each rank's shard size")
+                     f"{p._local_tensor.numel()} elements on this rank, not the {sizes[mesh.get_local_rank(dim)]} of "
+                     "an even torch.chunk split; a chain with reductions needs each rank's shard size")
     return sizes
 
 
@@ -111,15 +111,22 @@ def set_mesh_exchange(name, engine):
         if p.device_mesh != mesh:
             raise _error(f"{name}: the chain has reductions and its DTensor parameters live on different device "
                          f"meshes ({mesh} and {p.device_mesh}); reductions over one mesh only")
-    if mesh.ndim != 1:
+    # The mesh dimension the shards are cut along: a 1-D mesh's, or HSDP's second (its first
+    # replicates, and every replica computes the same values, so the reduction runs within one).
+    if mesh.ndim == 2 and all(isinstance(p.placements[0], Replicate) for p in params):
+        dim = 1
+    elif mesh.ndim == 1:
+        dim = 0
+    else:
         raise _error(f"{name}: the chain has reductions and the parameters' device mesh has {mesh.ndim} dimensions "
-                     f"({mesh}); reductions over a 1-D mesh (FSDP2 without HSDP) only")
-    if mesh.size() == 1:
-        return  # one rank: its partials are all of them
+                     f"({mesh}) with placements {tuple(params[0].placements)}; reductions over a 1-D mesh (FSDP2) or "
+                     "a 2-D one whose first dimension replicates (HSDP) only")
+    if mesh.size(dim) == 1:
+        return  # one rank in the reduction: its partials are all of them
     chunk = engine.core.chunk_elements
-    world, me, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    world, me, group = mesh.size(dim), mesh.get_local_rank(dim), mesh.get_group(dim)
     # chunks[t][r]: rank r's local chunks of tensor t; local_first[r][t]: where they start in its table
-    chunks = [[-(-n // chunk) for n in _local_numels(p, name)] for p in params]
+    chunks = [[-(-n // chunk) for n in _local_numels(p, name, dim)] for p in params]
     local_first = [[0] * len(params) for _ in range(world)]
     for r in range(world):
         at = 0
@@ -131,7 +138,7 @@ def set_mesh_exchange(name, engine):
     firsts, counts, source = [], [], []  # source: global chunk -> column of the gathered [world x width]
     for t, p in enumerate(params):
         firsts.append(len(source))
-        owners = [0] if isinstance(p.placements[0], Replicate) else range(world)
+        owners = [0] if isinstance(p.placements[dim], Replicate) else range(world)
         for r in owners:
             source.extend(r * width + local_first[r][t] + k for k in range(chunks[t][r]))
         counts.append(len(source) - firsts[-1])
