@@ -269,11 +269,13 @@ def bucket_worker(rank, world, init_file, out_dir):
     init(rank, world, init_file)
     out = {}
     variants = [(label, name, kw, how) for label, name, kw in BUCKET_CASES for how in ("plain",)]
-    variants += [("AdamW", "AdamW", dict(lr=1e-2), how) for how in ("accumulate", "no_sync", "unscale_", "unscale_ clip")]
+    variants += [("AdamW", "AdamW", dict(lr=1e-2), how)
+                 for how in ("accumulate", "no_sync", "unscale_", "unscale_ clip", "overlap=False")]
     for label, name, kw, how in variants:
         model = make_model()
         ref_model = copy.deepcopy(model)
-        zero = ZeRO(make_opt(oft, name, model.parameters(), kw), stage=2, bucket_cap_mb=BUCKET_MB)
+        zero = ZeRO(make_opt(oft, name, model.parameters(), kw), stage=2, bucket_cap_mb=BUCKET_MB,
+                    overlap=how != "overlap=False")
         ref = make_opt(oft, name, ref_model.parameters(), kw)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if how.startswith("unscale_") else None
         sent_in_backward, warned = [], []
@@ -321,7 +323,7 @@ def test_zero2_buckets_sent_during_backward_are_bitwise_the_unsharded_optimizer(
     results = spawn_ranks(bucket_worker, world, tmp_path)
     for rank, res in enumerate(results):
         assert set(res) == {f"{c[0]} plain" for c in BUCKET_CASES} | {
-            "AdamW accumulate", "AdamW no_sync", "AdamW unscale_", "AdamW unscale_ clip"}
+            "AdamW accumulate", "AdamW no_sync", "AdamW unscale_", "AdamW unscale_ clip", "AdamW overlap=False"}
         for label, r in res.items():
             assert r["moved"], (label, "training did not move the parameters: the comparison would be vacuous")
             assert r["buckets"] == 3, r
@@ -332,6 +334,8 @@ def test_zero2_buckets_sent_during_backward_are_bitwise_the_unsharded_optimizer(
             if world == 1:  # one rank reduces nothing: its gradients are stepped where they are
                 assert r["sent_in_backward"] == [None] * STEPS, r
                 assert r["warned"] in ([], [0] * STEPS), r
+            elif label.endswith("overlap=False"):  # nothing sent during backward: all of it at the step
+                assert r["sent_in_backward"] == [0] * STEPS, (label, r["sent_in_backward"])
             elif "unscale_" in label:
                 # GradScaler.unscale_ after backward sent the scaled gradients: the step sends them again,
                 # then the reduction waits for the step; a clip that used them is redone, with a warning
