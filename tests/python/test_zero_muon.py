@@ -79,6 +79,21 @@ def worker(rank, world, init_file, out_dir):
                           moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())),
                           state_equal=same(zero.state_dict()["state"], ref.state_dict()["state"]),
                           mid_state_equal=mid_state_equal, local=zero.local_state_numel(), full=full)
+    # clip_grad_norm_ (the owned gradients scaled before the step) against torch's clip: to rounding
+    model = make_model()
+    ref_model = copy.deepcopy(model)
+    zero, ref = ZeRO(make(oft, "MuonWithAuxAdam", model)), make(oft, "MuonWithAuxAdam", ref_model)
+    norms = []
+    for s in range(STEPS):
+        g = torch.Generator().manual_seed(s)
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        norms.append((float(zero.clip_grad_norm_(1.0)), float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0))))
+        zero.step()
+        ref.step()
+    out["clip"] = dict(norms=norms, rel_err=max(float((p - q).abs().max() / q.abs().max())
+                                                for p, q in zip(model.parameters(), ref_model.parameters())))
     try:
         ZeRO(make(oft, "Muon", make_model()), stage=2)
         out["stage2"] = "no error"
@@ -101,3 +116,6 @@ def test_zero_of_muon_owns_whole_matrices_and_equals_the_unsharded_optimizer(wor
                 assert r["local"] < r["full"], (world, rank, label, r)
         assert sum(res[label]["local"] for res in results) == results[0][label]["full"], label
         assert "stage=2" in res["stage2"] and "not built" in res["stage2"], res["stage2"]
+        clip = res["clip"]
+        assert all(abs(a - b) <= 1e-6 * b and b > 1.0 for a, b in clip["norms"]), clip["norms"]  # the clip acts
+        assert clip["rel_err"] <= 1e-5, clip
