@@ -571,7 +571,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         whole = [sources[id(p)][0] for p in params]
         self._watch = _core._GradWatch(whole, [sources[id(p)][1] * p.element_size() for p in params])
         grads = []
-        for p, q, g in zip(params, whole, self._watch.snapshot()):
+        for p, g in zip(params, self._watch.snapshot()):
             if g is not None:
                 if not g.is_contiguous():
                     raise OptfuseError(f"ZeRO: gradients must be contiguous (shape {tuple(g.shape)}, strides {g.stride()})")

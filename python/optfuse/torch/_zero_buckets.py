@@ -23,7 +23,8 @@ after it was sent (a second backward accumulating, or a hand edit: the tensor or
 counter differs; GradScaler.unscale_, which leaves no trace, is handled by ZeRO.step), so the shard
 reduces the gradients as they are at the step.
 Which buckets are launched again and which parameters have a gradient is agreed by every rank in
-one small all_reduce, and every collective is issued in the same order on every rank."""
+one small all_reduce, and every collective is issued in the same order on every rank. (On one rank
+there is nothing to reduce: ZeRO builds no reducer and steps the gradients where they are.)"""
 import bisect
 import weakref
 
