@@ -21,3 +21,13 @@ def spawn_ranks(fn, world, run_dir, *args, timeout=600, reporting=None):
                 p.terminate()
             pytest.fail(f"{world} ranks did not finish within {timeout} s")
     return [json.load(open(run_dir / f"rank{r}.json")) for r in (range(world) if reporting is None else reporting)]
+
+
+def report(out_dir, rank, out):
+    """The end of a rank's function: its results as out_dir/rank<r>.json (what spawn_ranks returns),
+    then its process group destroyed if it has one."""
+    import torch.distributed as dist
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(out, f)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

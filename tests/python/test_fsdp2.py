@@ -17,14 +17,13 @@ new optimizer, and torch.distributed.checkpoint (get_optimizer_state_dict, dcp.s
 set_optimizer_state_dict on a fresh optimizer, whose state is initialised by torch with a zero-grad
 step at lr=0) mid-run: training continues bitwise equal. Processes start with torch.multiprocessing, rendezvous
 through a file (no network), and are bounded by timeouts."""
-import json
 import os
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import report, spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -248,10 +247,7 @@ def worker(rank, world, init_file, out_dir, backend, device_type):
         run_cases(rank, world, device, mesh, os.path.join(out_dir, "ckpt"), out)
     except Exception:
         out["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 def run_ranks(world, tmp_path, backend="gloo", device_type="cpu", timeout=600):
@@ -313,10 +309,7 @@ def hsdp_worker(rank, world, init_file, out_dir):
                 moved=any(not torch.equal(p, q) for p, q in zip(ref_model.parameters(), make_model().parameters())))
     except Exception:
         out["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 def test_hsdp_reductions_run_within_the_shard_dimension(tmp_path):

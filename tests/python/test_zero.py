@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import report, spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -178,9 +178,7 @@ def worker(rank, world, init_file, out_dir):
             params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
             moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())),
             state_equal=same_state(zero.state_dict()["state"], ref.state_dict()["state"]))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 def run_ranks(world, tmp_path, timeout=600):
@@ -308,9 +306,7 @@ def cuda_worker(rank, world, init_file, out_dir):
         out[label] = dict(
             params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
             moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().cuda().parameters())))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -339,9 +335,7 @@ def mismatch_worker(rank, world, init_file, out_dir):
         message = "accepted"
     except optfuse.OptfuseError as e:
         message = str(e)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"message": message}, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, {"message": message})
 
 
 def test_parameters_that_differ_across_ranks_fail_on_every_rank(tmp_path):
@@ -388,9 +382,7 @@ def clip_worker(rank, world, init_file, out_dir):
             worst_param = max(worst_param, max(float((p - q).abs().max() / q.abs().max())
                                                for p, q in zip(model.parameters(), ref_model.parameters())))
         out[f"stage{stage}"] = dict(norm=worst_norm, param=worst_param, clipped=float(ref_norm) > 0.05)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -472,9 +464,7 @@ def traffic_worker(rank, world, init_file, out_dir):
         model_bytes = (world - 1) * 4 * (gathered + (reduced if stage == 2 else 0))
         out[f"stage{stage}"] = dict(per_step=per_step, model=model_bytes,
                                     ideal=(world - 1) / world * 61040 * 4 * (1 if stage == 1 else 2))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -18,13 +18,12 @@ loaded by 1, 2 and 3 ranks; training continues bitwise equal to the unsharded op
 from the same point. Processes start with torch.multiprocessing, rendezvous through a file, and are
 bounded by timeouts."""
 import copy
-import json
 import os
 from datetime import timedelta
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import report, spawn_ranks
 from test_zero import same_state  # noqa: E402  (one definition of the state comparison)
 
 dist = pytest.importorskip("torch.distributed")
@@ -165,9 +164,7 @@ def stage2_worker(rank, world, init_file, out_dir):
                 skipped = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         out[label] = dict(params_equal=equal_params(model, ref_model), moved=not equal_params(model, make_model()),
                           scales=scales, skipped=skipped)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 DCP_CASES = [
@@ -223,9 +220,7 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
             if rank == 0:
                 torch.save({"model": model.state_dict(), "ref": ref.state_dict()}, ckpt + ".ref.pt")
             dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -311,9 +306,7 @@ def bucket_worker(rank, world, init_file, out_dir):
                                                                               ref_model.parameters())),
             buckets=len(zero._buckets), sent_in_backward=sent_in_backward,
             state_equal=same_state(zero.state_dict()["state"], ref.state_dict()["state"]))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -379,9 +372,7 @@ def mismatch_worker(rank, world, init_file, out_dir, ckpt):
         msg = None
     except (optfuse.OptfuseError, RuntimeError, ValueError) as e:
         msg = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"error": msg}, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, {"error": msg})
 
 
 def test_dcp_checkpoint_of_another_model_is_refused(tmp_path):

@@ -7,13 +7,11 @@ steps and the consolidated state dict (also reloaded into a new ZeRO mid-run) eq
 optimizer's, and each rank holds only its matrices' state. Stage 2 is refused with the reason.
 Processes start with torch.multiprocessing, rendezvous through a file, and are bounded by timeouts."""
 import copy
-import json
-import os
 from datetime import timedelta
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import report, spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -99,9 +97,7 @@ def worker(rank, world, init_file, out_dir):
         out["stage2"] = "no error"
     except optfuse.OptfuseError as e:
         out["stage2"] = str(e)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.destroy_process_group()
+    report(out_dir, rank, out)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -243,7 +243,6 @@ class RAdam(_DecoupledWeightDecayOption):
         _reject("RAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.RAdam, kw))
 
-
     def _make_chain(self, key, features, groups):
         maximize, decoupled = key
         g = groups[0]
@@ -271,7 +270,6 @@ class NAdam(_DecoupledWeightDecayOption):
                   capturable=capturable, differentiable=differentiable)
         _reject("NAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.NAdam, kw))
-
 
     def _make_chain(self, key, features, groups):
         maximize, decoupled = key
