@@ -373,8 +373,11 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   bool update = ph.kind == ElementPhase::Kind::Update;
   const bool ustates = plan.layout.uniform_states_per_group > 0;
   size_t nred = ph.reductions.size();
+  bool stochastic = false;
+  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(phase_roles(ph), v);
   std::ostringstream s;
-  s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, OF_MIN_BLOCKS) of_phase" << i
+  s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, "
+    << (stochastic ? "OF_MIN_BLOCKS_SR" : "OF_MIN_BLOCKS") << ") of_phase" << i
     << "(const OfTensor* __restrict__ tensors, const OfChunk* __restrict__ chunks, long long num_chunks,"
        " double* __restrict__ table, int groups, double* __restrict__ partials,"
        " double* __restrict__ tensor_reductions, int num_tensors,"
@@ -412,8 +415,6 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, u + OF_DERIVED);\n";
   s
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n";
-  bool stochastic = false;
-  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(phase_roles(ph), v);
   if (stochastic)  // the step being taken: the table's count is committed by the last block, after every chunk
     s << "    const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)(table[of_steps_offset(groups) + t.group] + 1.0));\n";
   else
@@ -469,7 +470,10 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
   // Kernel shape, measured on an H200 (dev/h200_cuda_check.sh --tune): one 16-byte vector per role
   // per thread per pass with at least 3 blocks of 256 threads per SM (an 85-register cap, no spills
   // for any built-in) reached the copy bandwidth on large tensors; deeper unrolling with fewer
-  // blocks, or 4-6 blocks, was up to 5% slower. The #ifndef lets a benchmark override them
+  // blocks, or 4-6 blocks, was up to 5% slower. A kernel that rounds stochastically is bound by its
+  // integer work and memory latency instead: 4 blocks (64 registers) ran AdamW bf16 with stochastic
+  // rounding at 89.1% of its floor against 85.7% with 3 (H200, docs/performance.md), while the other
+  // bf16/fp32 kernels were 1-4 points slower with 4. The #ifndef lets a benchmark override them
   // (OPTFUSE_CUDA_DEFINES in the executor).
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
     << "\n#define OF_HYPERS_ARRAY " << std::max(L.hypers_per_group, 1)
@@ -480,6 +484,7 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     << "\n#define OF_THREADS "
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
+    << "#ifndef OF_MIN_BLOCKS_SR\n#define OF_MIN_BLOCKS_SR 4\n#endif\n"
     << pr.common_source() << abi_source() << scalar_layout_source(L) << kCudaDriverPrelude;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);

@@ -9,13 +9,17 @@
 // OF_FN is the dialect's function qualifier (inline on the host, __device__ on CUDA).
 //
 // Stochastic rounding. The random bits of one store are a counter-based hash of (tensor key,
-// element index, step, role): splitmix64 of (key, step) once per chunk, then a 32-bit hash per
-// element and pair of roles (16 bits each; float16 takes 24, so a pair overlaps in 8 of them; the
-// cheap hash made the rounding 1.3x faster on an H200, where it was integer-bound). No generator
-// state: the same bits on every backend, for any thread, block or chunk count, and for any cut of a
-// tensor into shards (an element's index is its index in the whole tensor: rng_offset + position).
+// element index, step, role): splitmix64 of (key, step) once per chunk, then one 32-bit hash per
+// element (of its index modulo 2^32) that every role of the element shares, each role multiplying
+// it by its own odd constant and rounding with the product's high bits (bfloat16 16 of them,
+// float16 24). The integer work per element is what bounds a stochastic kernel on an H200: two
+// hashes per element (one per pair of roles) and the element's full 64-bit index ran AdamW at
+// 81.7% of its floor, this at 85.7% (docs/performance.md). In a tensor of more than 2^32 elements,
+// elements 2^32 apart draw the same bits: each rounding stays unbiased. No generator state: the
+// same bits on every backend, for any thread, block or chunk count, and for any cut of a tensor
+// into shards (an element's index is its index in the whole tensor: rng_offset + position).
 //   of_rng_base(key, step)      once per chunk: the tensor's stream at this step
-//   of_rng_bits(base, e, role)  32 random bits for element e of role `role`
+//   of_rng_bits(base, e, role)  32 random bits for element e of role `role` (use the high ones)
 // bfloat16: add 16 random bits below the kept 16, then truncate: rounds up with probability
 // (dropped bits) / 2^16, so E[result] = x exactly (unbiased); inf stays inf, NaN becomes a quiet
 // NaN (as nearest rounding). float16: the two neighbours of x, the upper one with probability
@@ -41,26 +45,26 @@
     return of_mix64(key ^ of_mix64(step + 0x9e3779b97f4a7c15ull));                                 \
   }                                                                                                \
   OF_FN unsigned of_rng_element(unsigned long long base, unsigned long long element) {               \
-    /* 32-bit arithmetic only (a 64-bit multiply is several instructions on a GPU): two odd */      \
-    /* multipliers and three xor-shifts */                                                          \
-    unsigned x = ((unsigned)element ^ (unsigned)base) * 0x9e3779b1u +                              \
-                 ((unsigned)(element >> 32) ^ (unsigned)(base >> 32));                              \
+    /* 32-bit arithmetic only (a 64-bit multiply is several instructions on a GPU, where this is */ \
+    /* integer-bound): the element index modulo 2^32, two odd multipliers and one xor-shift. The */ \
+    /* stores take the high bits of the result, which mix every input bit. */                       \
+    unsigned x = ((unsigned)element ^ (unsigned)base) * 0x9e3779b1u;                               \
     x ^= x >> 16;                                                                                  \
-    x *= 0x85ebca6bu;                                                                              \
-    return x ^ (x >> 13);                                                                          \
+    return x * 0x85ebca6bu;                                                                        \
   }                                                                                                \
   OF_FN unsigned of_rng_bits(unsigned long long base, unsigned long long element, int role) {      \
-    /* roles 2k and 2k+1 share hash k (the compiler computes it once per element): role 2k */      \
-    /* rounds with its low 16 bits, role 2k+1 with its high 16 (rotated into the low half) */      \
-    unsigned x = of_rng_element(base + (unsigned long long)(role >> 1) * 0x632be59bd9b4e019ull, element); \
-    return (role & 1) ? ((x >> 16) | (x << 16)) : x;                                               \
+    /* one hash per element, shared by every role (the compiler computes it once per element); */  \
+    /* role k multiplies it by its own odd constant (role 0 by 1): the product's high bits, */      \
+    /* which the stores use, mix every bit of the hash, and each is uniform (an odd multiplier */   \
+    /* is a bijection of 32-bit words) */                                                          \
+    return of_rng_element(base, element) * (1u + (unsigned)role * 0x9e3779b8u);                    \
   }                                                                                                \
   OF_FN unsigned short of_float_to_bf16_sr(float f, unsigned r) {                                  \
     unsigned u = of_f2u(f);                                                                        \
     /* NaN: quiet, as nearest rounding makes it; otherwise add 16 random bits below the kept */   \
-    /* ones (inf has none, so it stays inf; a carry rounds the magnitude up, past the largest */   \
-    /* finite to inf) */                                                                           \
-    u = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + (r & 0xffffu);                      \
+    /* ones (the high 16 of r; inf has none, so it stays inf; a carry rounds the magnitude up, */  \
+    /* past the largest finite to inf) */                                                         \
+    u = f != f ? (u | 0x400000u) : u + (r >> 16);                      \
     return (unsigned short)(u >> 16);                                                              \
   }                                                                                                \
   OF_FN unsigned short of_float_to_f16_sr(float f, unsigned r) {                                   \
