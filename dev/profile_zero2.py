@@ -1,12 +1,22 @@
-"""cProfile of ZeRO stage 2 at world size 1 on many small CUDA tensors (host time per step)."""
+"""cProfile of ZeRO at world size 1 on many small CUDA tensors (host time per step), against the
+unsharded optimizer. --clip: the clip_by_global_norm + adamw chain instead of AdamW.
+
+    python3 dev/profile_zero2.py [--clip] [--tensors 2000] [--numel 4096]"""
+import argparse
 import cProfile
 import os
-import pstats
 import time
 
 import torch
 import torch.distributed as dist
 
+from profile_top import print_top
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--clip", action="store_true")
+ap.add_argument("--tensors", type=int, default=2000)
+ap.add_argument("--numel", type=int, default=4096)
+a = ap.parse_args()
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29561")
 dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
@@ -14,28 +24,39 @@ import optfuse.torch as oft  # noqa: E402
 from optfuse.torch.distributed import ZeRO  # noqa: E402
 
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-ps = [torch.nn.Parameter(torch.randn(4096, device=dev)) for _ in range(2000)]
-grads = [torch.randn(4096, device=dev) for _ in ps]
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+ps = [torch.nn.Parameter(torch.randn(a.numel, device=dev)) for _ in range(a.tensors)]
+grads = [torch.randn(a.numel, device=dev) for _ in ps]
+
+
+def make():
+    if a.clip:
+        return oft.Fused("chain(clip_by_global_norm(max_norm=1.0), adamw(lr=1e-3))", ps)
+    return oft.AdamW(ps, lr=1e-3)
 
 
 def run(opt, n):
-    ts = []
+    """Median ms per step with the device synchronised around it, and median host ms (no sync after)."""
+    ts, hs = [], []
     for _ in range(n):
         for p, g in zip(ps, grads):
             p.grad = g
-        torch.cuda.synchronize() if dev == "cuda" else None
+        sync()
         t = time.perf_counter()
         opt.step()
-        torch.cuda.synchronize() if dev == "cuda" else None
+        hs.append(time.perf_counter() - t)
+        sync()
         ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2] * 1e3
+    return sorted(ts)[len(ts) // 2] * 1e3, sorted(hs)[len(hs) // 2] * 1e3
 
 
 for stage in (None, 1, 2):
-    opt = oft.AdamW(ps, lr=1e-3) if stage is None else ZeRO(oft.AdamW(ps, lr=1e-3), stage=stage)
+    opt = make() if stage is None else ZeRO(make(), stage=stage)
     run(opt, 5)
-    print("stage", stage, f"{run(opt, 20):.3f} ms")
-    if stage == 2:
-        cProfile.run("run(opt, 10)", "/tmp/zp.out")
-        pstats.Stats("/tmp/zp.out").sort_stats("tottime").print_stats(12)
+    total, host = run(opt, 20)
+    print(f"stage {stage}: {total:.3f} ms per step, {host:.3f} ms host", flush=True)
+    if stage in (None, 2):
+        prof = cProfile.Profile()
+        prof.runcall(run, opt, 10)
+        print_top(prof, 10, 10, f"stage {stage}")
 dist.destroy_process_group()

@@ -419,8 +419,9 @@ class PyOptimizer {
 //              1: some .grad objects are new but every parameter that had a gradient still has one
 //                 and none had one before; new grads are contiguous; pointers() holds their data
 //                 pointers (torch itself guarantees dtype, device and shape of .grad match the param)
-//              2: the set of parameters with gradients changed, or a new gradient is not
-//                 contiguous: the caller rebuilds (grads(), then snapshot()).
+//              2: the set of parameters with gradients changed, a new gradient is not
+//                 contiguous, or a DTensor parameter has another local tensor: the caller
+//                 rebuilds (grads(), then snapshot()).
 
 class GradWatch {
  public:
@@ -446,10 +447,16 @@ class GradWatch {
   int check() {
     int result = 0;
     for (size_t i = 0; i < params_.size(); ++i) {
+      if (local_[i]) {  // FSDP2 re-pads a shard after e.g. model.load_state_dict(assign=True): rebuild
+        PyObject* lp = get_local(params_[i].ptr());
+        if (!lp) throw nb::python_error();
+        Py_DECREF(lp);  // (the parameter keeps it alive: only its identity is compared)
+        if (lp != param_locals_[i].ptr()) return 2;
+      }
       PyObject* g = get_grad(params_[i].ptr());
       if (!g) throw nb::python_error();
       if (local_[i] && g != Py_None) {  // the DTensor gradient's local shard
-        PyObject* l = PyObject_GetAttr(g, name_local_.ptr());
+        PyObject* l = get_local(g);
         Py_DECREF(g);
         if (!l) throw nb::python_error();
         g = l;
@@ -479,7 +486,9 @@ class GradWatch {
   // Records every parameter's current .grad; returns them (None where absent).
   nb::list snapshot() {
     nb::list out;
+    param_locals_.assign(params_.size(), nb::object());
     for (size_t i = 0; i < params_.size(); ++i) {
+      if (local_[i]) param_locals_[i] = params_[i].attr(name_local_);
       nb::object grad = params_[i].attr(name_grad_);
       if (local_[i] && !grad.is_none()) grad = grad.attr(name_local_);
       has_[i] = !grad.is_none();
@@ -519,6 +528,18 @@ class GradWatch {
     return PyObject_GetAttr(p, name_grad_.ptr());
   }
 
+  // x._local_tensor of a DTensor through its type's descriptor (a slot), found once per type.
+  PyObject* get_local(PyObject* x) {
+    PyTypeObject* t = Py_TYPE(x);
+    if (t != local_type_) {
+      local_descr_ = _PyType_Lookup(t, name_local_.ptr());  // borrowed (the type keeps it)
+      if (local_descr_ && !Py_TYPE(local_descr_)->tp_descr_get) local_descr_ = nullptr;
+      local_type_ = t;
+    }
+    if (local_descr_) return Py_TYPE(local_descr_)->tp_descr_get(local_descr_, x, reinterpret_cast<PyObject*>(t));
+    return PyObject_GetAttr(x, name_local_.ptr());
+  }
+
   static nb::object weak(nb::handle h) {
     PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
     if (!w) throw nb::python_error();
@@ -526,6 +547,7 @@ class GradWatch {
   }
 
   std::vector<nb::object> params_, refs_;
+  std::vector<nb::object> param_locals_;  // per DTensor parameter: its local tensor at snapshot()
   std::vector<int64_t> offsets_;
   std::vector<bool> local_;
   std::vector<uint64_t> ptrs_;
@@ -533,8 +555,30 @@ class GradWatch {
   nb::object name_grad_, name_data_ptr_, name_is_contiguous_, name_local_;
   PyTypeObject* cached_type_ = nullptr;
   PyGetSetDef* getter_ = nullptr;
+  PyTypeObject* local_type_ = nullptr;
+  PyObject* local_descr_ = nullptr;
 };
 
+
+// p.grad = None for every parameter, through the type's setter (found once per type): ZeRO stage 2
+// frees the full gradients of thousands of parameters after each step, and a Python loop of
+// attribute stores is a fair share of a small step's host time.
+void clear_grads(const std::vector<nb::object>& params) {
+  nb::object name = nb::steal(PyUnicode_InternFromString("grad"));
+  PyTypeObject* cached = nullptr;
+  PyGetSetDef* setter = nullptr;
+  for (const nb::object& p : params) {
+    PyTypeObject* t = Py_TYPE(p.ptr());
+    if (t != cached) {
+      PyObject* d = _PyType_Lookup(t, name.ptr());  // borrowed
+      setter = d && Py_TYPE(d) == &PyGetSetDescr_Type ? reinterpret_cast<PyGetSetDescrObject*>(d)->d_getset : nullptr;
+      cached = t;
+    }
+    int rc = setter && setter->set ? setter->set(p.ptr(), Py_None, setter->closure)
+                                   : PyObject_SetAttr(p.ptr(), name.ptr(), Py_None);
+    if (rc != 0) throw nb::python_error();
+  }
+}
 
 }  // namespace
 
@@ -615,6 +659,7 @@ void bind_optimizer(nb::module_& m) {
       .def("snapshot", &GradWatch::snapshot)
       .def("pointers", [](const GradWatch& w) { return w.pointers(); })
       .def("__len__", &GradWatch::size);
+  m.def("_clear_grads", &clear_grads, "params"_a, "p.grad = None for every parameter of the list.");
 }
 
 }  // namespace optfuse::py

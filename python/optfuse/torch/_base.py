@@ -126,7 +126,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._on_cuda = False
         self._graph = None     # what a traced step needs (_GraphLayout), None where it falls back
         self._foreign = False  # the op pointed the tables at tensors other than ours (copies)
-        self._dtensor_locals = []  # (DTensor parameter, the local tensor the tables point at) (FSDP2)
         self._graph_id = _compile.register(self)
         self._graph_builds = 0
         keys = self._sig_keys
@@ -220,6 +219,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         if _compile.compiling():
             return self._step_graph(closure, grad_scale, found_inf)
         self._opt_called = True  # what an lr scheduler's wrapper of step() would record (see below)
+        # hooks_active(self), written out: with the call, Dynamo (torch 2.11) compiled this frame's
+        # callee _step_impl after a graph break and crashed on its attribute stores
         if (_torch_opt._global_optimizer_pre_hooks or _torch_opt._global_optimizer_post_hooks
                 or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
                 or torch.autograd.profiler._is_profiler_enabled):
@@ -421,10 +422,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for e in self._engines.values():
                     e.push_hypers(i, hypers)
                 self._sigs[i] = sig
-        for p, lp in self._dtensor_locals:  # FSDP2 re-pads a shard after e.g. model.load_state_dict(assign=True)
-            if p._local_tensor is not lp:
-                return False
-        r = self._watch.check()
+        r = self._watch.check()  # (also: a DTensor parameter's local tensor replaced, as FSDP2 does on a load)
         if r == 0:
             return True
         if r == 1 and not self._copies:
@@ -555,7 +553,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._foreign = False
         # DTensor parameters: the eager step (the custom op would be handed DTensors, not their shards)
         self._graph = None if dtensors else self._make_graph_layout(groups)
-        self._dtensor_locals = [(p, p._local_tensor) for p in dtensors]
         self._of_dirty = False
 
     def _watch_gradients(self, params, dtensors):
@@ -632,6 +629,17 @@ def _run_step_impl(self, *args, **kwargs):
 
 
 _step_with_hooks = torch.optim.Optimizer.profile_hook_step(_run_step_impl)
+
+
+def hooks_active(opt):
+    """Whether step() must go through torch's wrapper: step hooks registered (globally or on opt) or
+    the autograd profiler on. Otherwise the wrapper's profiler range and hook calls (several
+    microseconds) are skipped: optimizers mark their step() as already wrapped (step.hooked)."""
+    return bool(_torch_opt._global_optimizer_pre_hooks or _torch_opt._global_optimizer_post_hooks
+                or opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
+                or torch.autograd.profiler._is_profiler_enabled)
+
+
 _STALE = object()  # a group signature no group has: the next _fresh() checks and pushes that group
 
 

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError
+from ._base import FusedOptimizer, OptfuseError, _step_with_hooks, hooks_active
 from ._fused import fuse
 from ._partials import gather_exchange
 from ._zero_buckets import DEFAULT_BUCKET_MB, GradientReducer, plan_buckets, shard_ranges  # noqa: F401 (shard_ranges: API)
@@ -293,8 +293,15 @@ class ZeRO(torch.optim.Optimizer):
         self._inner._of_dirty = True
 
     # --- torch.optim.Optimizer API
-    @torch.no_grad()
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
+        if hooks_active(self):
+            return _step_with_hooks(self, closure, grad_scale=grad_scale, found_inf=found_inf)
+        return self._step_impl(closure, grad_scale=grad_scale, found_inf=found_inf)
+
+    step.hooked = True  # as FusedOptimizer.step: torch's wrapper only where hooks or the profiler need it
+
+    @torch.no_grad()
+    def _step_impl(self, closure=None, *, grad_scale=None, found_inf=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -327,11 +334,10 @@ class ZeRO(torch.optim.Optimizer):
             self._clip_coef = None
         self._inner.step(grad_scale=grad_scale, found_inf=found_inf)
         self._all_gather_params()
-        if self.stage == 2:
+        if self.stage == 2 and self.world > 1:
             # The full local gradients are spent: free them (this rank's averaged shard stays in
-            # grad_shards() until the next step).
-            for p in self._params():
-                p.grad = None
+            # grad_shards() until the next step; on one rank the gradients are that shard).
+            _core._clear_grads(self._params())
         return loss
 
     def _step_whole(self, loss, grad_scale, found_inf):
