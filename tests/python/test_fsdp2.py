@@ -176,6 +176,20 @@ def run_cases(rank, world, device, mesh, ckpt_dir, out):
             dtensor_states=dtensor_states, init_step_untouched=untouched,
             lr=opt.param_groups[0]["lr"], ref_lr=ref.param_groups[0]["lr"])
 
+    # FSDP2 replaces a parameter's local tensor (re-padding it, e.g. on load_state_dict(assign=True)):
+    # the next step must step the new tensors (the tables pointed at the old ones), and stay exact
+    ref_model = make_model(device)
+    model = shard(make_model(device), mesh)
+    opt, ref = oft.AdamW(model.parameters(), lr=1e-2), oft.AdamW(ref_model.parameters(), lr=1e-2)
+    train(model, opt, ref_model, ref, [], rank, 0, 3)
+    for p in model.parameters():
+        p._local_tensor = p._local_tensor.clone()
+    replaced = [p._local_tensor.clone() for p in model.parameters()]
+    train(model, opt, ref_model, ref, [], rank, 3, 5)
+    out["replaced local tensors"] = dict(
+        params_equal=params_equal(model, ref_model),
+        moved=any(not torch.equal(a, p._local_tensor) for a, p in zip(replaced, model.parameters())))
+
     # torch.optim.AdamW(foreach=False) on the same FSDP2 model: within 1e-6, the same state dict layout
     ref_model = make_model(device)
     models = [shard(make_model(device), mesh) for _ in range(2)]
@@ -265,6 +279,8 @@ def check(results, world):
             assert r["dtensor_states"], (world, rank, label, "states must be DTensors, as torch.optim's with FSDP2")
             assert r["init_step_untouched"], (world, rank, label, "torch's lr=0 state initialisation moved parameters")
             assert r["lr"] == r["ref_lr"] < 0.05 + 1e-9  # the scheduler ran
+        r = res["replaced local tensors"]
+        assert r["moved"] and r["params_equal"], (world, rank, "a replaced local tensor was not stepped", r)
         r = res["torch AdamW"]
         assert r["rel_err"] <= 1e-6, r
         assert r["same_layout"], "the state dict must look like torch.optim's with FSDP2"

@@ -178,6 +178,20 @@ def worker(rank, world, init_file, out_dir):
             params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
             moved=any(not torch.equal(p, q) for p, q in zip(model.parameters(), make_model().parameters())),
             state_equal=same_state(zero.state_dict()["state"], ref.state_dict()["state"]))
+    # step hooks (ZeRO.step skips torch's wrapper only while none is registered) and the profiler range
+    zero = ZeRO(oft.AdamW(make_model().parameters(), lr=1e-2))
+    calls = []
+    handles = [zero.register_step_pre_hook(lambda *a: calls.append("pre")),
+               zero.register_step_post_hook(lambda *a: calls.append("post"))]
+    for p in zero.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    zero.step()
+    for h in handles:
+        h.remove()
+    zero.step()
+    with torch.autograd.profiler.profile() as prof:
+        zero.step()
+    out["step hooks"] = dict(calls=calls, profiled=any("ZeRO.step" in e.name for e in prof.function_events))
     report(out_dir, rank, out)
 
 
@@ -205,6 +219,7 @@ def test_zero1_with_ddp_is_bitwise_the_unsharded_optimizer(world, tmp_path):
             r = res[label]
             assert r == dict(params_equal=True, moved=True, state_equal=True), (world, rank, label, r)
         assert res["skip_if_nonfinite + sgd skipped"] is True, "the NaN step was not skipped on every rank"
+        assert res["step hooks"] == dict(calls=["pre", "post"], profiled=True), res["step hooks"]
     if world > 1:  # the shards together hold all of the state
         for name in labels:
             assert sum(res[name]["local_state"] for res in results) == results[0][name]["full_state"], name
