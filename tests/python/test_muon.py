@@ -97,7 +97,7 @@ MUON_INFO = next((i for i in common_optimizers.optim_db if i.optim_cls.__name__ 
 def test_grid_matches_torch(device, capsys):
     """Every configuration of torch's optim_db grid for Muon, 10 steps, new gradients every step."""
     inputs = MUON_INFO.optim_inputs_func(device=device, dtype=torch.float32)
-    assert len(inputs) >= 8
+    assert len(inputs) >= 7  # the grid itself, not a remnant of it (7 configurations in torch 2.11, 8 in 2.15)
     lines, worst = [], 0.0
     for inp in inputs:
         assert inp.params is None
