@@ -69,23 +69,22 @@ rules::LambOptions lamb_options(const Resolved& a) {
   return o;
 }
 
-Chain adam_like(const Resolved& a, bool decoupled) {
+// maximize (negate the gradient) and, where l2, L2 weight decay (add weight_decay * param), in
+// torch's order, as the first rules of the named optimizers (l2 = false: decoupled decay, applied
+// later, or an optimizer without weight_decay).
+Chain maximize_and_l2(const Resolved& a, bool l2 = true) {
   Chain c;
   if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-  if (!decoupled && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+  if (l2 && a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+  return c;
+}
+
+Chain adam_like(const Resolved& a, bool decoupled) {
+  Chain c = maximize_and_l2(a, !decoupled);
   c.push_back(rules::scale_by_adam(a.beta(0), a.beta(1), a.num("eps"), a.flag("amsgrad")));
   if (decoupled && a.num("weight_decay") != 0)
     c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
   c.push_back(rules::scale_by_learning_rate(a.num("lr")));
-  return c;
-}
-
-// maximize (negate the gradient) and L2 weight decay (add weight_decay * param), in torch's order,
-// as the first rules of most named optimizers.
-Chain maximize_and_l2(const Resolved& a) {
-  Chain c;
-  if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-  if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
   return c;
 }
 
@@ -128,9 +127,7 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           if (a.flag("nesterov") && (a.num("momentum") <= 0 || a.num("dampening") != 0))
             throw Error("sgd: nesterov=true requires momentum > 0 and dampening = 0");
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          Chain c = maximize_and_l2(a);
           if (a.num("momentum") != 0)
             c.push_back(rules::trace(a.num("momentum"), a.num("dampening"), a.flag("nesterov")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
@@ -152,9 +149,7 @@ const std::map<std::string, Builtin>& registry() {
       {"rmsprop",
        {{{"lr", 1e-2}, {"alpha", 0.99}, {"eps", 1e-8}, {"weight_decay", 0.0}, {"momentum", 0.0}, {"centered", false}, {"maximize", false}},
         [](const Resolved& a) {
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          Chain c = maximize_and_l2(a);
           c.push_back(rules::scale_by_rms(a.num("alpha"), a.num("eps"), a.flag("centered")));
           if (a.num("momentum") != 0) c.push_back(rules::trace(a.num("momentum"), 0.0, false));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
@@ -199,9 +194,7 @@ const std::map<std::string, Builtin>& registry() {
       {"adagrad",
        {{{"lr", 1e-2}, {"lr_decay", 0.0}, {"weight_decay", 0.0}, {"initial_accumulator_value", 0.0}, {"eps", 1e-10}, {"maximize", false}},
         [](const Resolved& a) {
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-          if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
+          Chain c = maximize_and_l2(a);
           c.push_back(rules::scale_by_adagrad(a.num("eps"), a.num("initial_accumulator_value"), a.num("lr_decay")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
           return c;
@@ -237,9 +230,7 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           bool decoupled = a.flag("decoupled_weight_decay");
           double wd = a.num("weight_decay");
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-          if (!decoupled && wd != 0) c.push_back(rules::add_decayed_weights(wd));
+          Chain c = maximize_and_l2(a, !decoupled);
           if (decoupled && wd != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), wd));
           c.push_back(rules::scale_by_nadam(a.num("lr"), a.beta(0), a.beta(1), a.num("eps"), a.num("momentum_decay")));
           return c;
@@ -285,9 +276,7 @@ const std::map<std::string, Builtin>& registry() {
         [](const Resolved& a) {
           bool decoupled = a.flag("decoupled_weight_decay");
           double wd = a.num("weight_decay");
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
-          if (!decoupled && wd != 0) c.push_back(rules::add_decayed_weights(wd));
+          Chain c = maximize_and_l2(a, !decoupled);
           c.push_back(rules::scale_by_radam(a.beta(0), a.beta(1), a.num("eps")));
           if (decoupled && wd != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), wd));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
@@ -312,8 +301,7 @@ const std::map<std::string, Builtin>& registry() {
       {"rprop",
        {{{"lr", 1e-2}, {"etas", {0.5, 1.2}}, {"step_sizes", {1e-6, 50.0}}, {"maximize", false}},
         [](const Resolved& a) {
-          Chain c;
-          if (a.flag("maximize")) c.push_back(rules::scale(-1.0));
+          Chain c = maximize_and_l2(a, false);
           c.push_back(rules::scale_by_rprop(a.num("lr"), a.pair("etas", 0), a.pair("etas", 1), a.pair("step_sizes", 0),
                                             a.pair("step_sizes", 1)));
           c.push_back(rules::scale(-1.0));
