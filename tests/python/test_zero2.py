@@ -113,7 +113,7 @@ def stage2_worker(rank, world, init_file, out_dir):
         fallback = label.endswith("all_reduce")
         zero._reduce_scatter = False if fallback else None
         nan_at = NAN_STEP if "nonfinite" in name else None
-        res = dict(freed=True, skipped=None)
+        res = dict(freed=True, kept=True, skipped=None)
         for s in range(STEPS):
             if s == STEPS // 2:  # a consolidated state dict into a new ZeRO mid-run
                 sd = zero.state_dict()
@@ -128,7 +128,7 @@ def stage2_worker(rank, world, init_file, out_dir):
             ref.step()
             ref.zero_grad()
             res["freed"] &= all(p.grad is None for p in model.parameters())
-            res["kept"] = all(p.grad is not None for p in model.parameters())
+            res["kept"] &= all(p.grad is not None for p in model.parameters())
             if s == nan_at:
                 res["skipped"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
         res.update(reduce_scatter=zero._reduce_scatter, params_equal=equal_params(model, ref_model),

@@ -334,9 +334,9 @@ class ZeRO(torch.optim.Optimizer):
             self._clip_coef = None
         self._inner.step(grad_scale=grad_scale, found_inf=found_inf)
         self._all_gather_params()
-        if self.stage == 2 and self.world > 1:
+        if self._reducer is not None:
             # The full local gradients are spent: free them (this rank's averaged shard stays in
-            # grad_shards() until the next step; on one rank the gradients are that shard).
+            # grad_shards() until the next step; one rank has no reducer: its gradients are that shard).
             _core._clear_grads(self._params())
         return loss
 
