@@ -21,5 +21,7 @@ Chain to_chain(nb::handle h);
 void bind_rules(nb::module_& m);
 // Optimizer and _GradWatch (optimizer.cpp).
 void bind_optimizer(nb::module_& m);
+// _set_torch_exchange: torch.Tensor's DLPack C exchange API (dlpack_exchange.cpp).
+void bind_dlpack_exchange(nb::module_& m);
 
 }  // namespace optfuse::py

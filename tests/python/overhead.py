@@ -1,12 +1,15 @@
 """Host time of one optfuse.torch step over many small tensors (not a pytest file: run it).
 
-    python3 tests/python/overhead.py [--tensors 2000] [--device cpu|cuda]
+    python3 tests/python/overhead.py [--tensors 2000] [--device cpu|cuda] [--profile]
 
 Prints the median time per step of: the whole step when the gradients are the same tensors as last
-step ("nothing changed"), its parts (the gradient identity check over all parameters, the core
-call), a step after zero_grad(set_to_none=True) gave every parameter a new gradient tensor, and
-torch's own AdamW for comparison. On CUDA the times are host times (no synchronisation inside)."""
+step ("nothing changed"), its parts (the gradient check over all parameters, the core call), a step
+after every parameter was given a new gradient tensor, and its parts; a step after zero_grad() and
+a real backward (gradients made by autograd; --profile: their cProfile); torch's own AdamW for
+comparison. On CUDA the times are host times (no synchronisation inside)."""
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -31,6 +34,7 @@ def main():
     ap.add_argument("--tensors", type=int, default=2000)
     ap.add_argument("--numel", type=int, default=16)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--profile", action="store_true", help="also print a cProfile of the steps after backward")
     a = ap.parse_args()
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -83,6 +87,29 @@ def main():
     for part, name in (("check", ".grad check, new tensors (C++)"), ("take", "pointer patch (_take_grads)"),
                     ("core", "core step call")):
         print(f"{'  of which: ' + name:45s} {statistics.median(parts[part]):9.1f} us")
+    # the loop users write: backward makes the gradient tensors (they have no Python object until
+    # .grad is read), zero_grad(set_to_none=True) drops them
+    loss_of = lambda: torch.stack(ps).square().sum()  # noqa: E731
+    steps = []
+    for k in range(60):
+        opt.zero_grad()
+        loss_of().backward()
+        sync()
+        t0 = time.perf_counter()
+        opt.step()
+        steps.append((time.perf_counter() - t0) * 1e6)
+    print(f"{'step after backward (zero_grad, backward)':45s} {statistics.median(steps[10:]):9.1f} us")
+    if a.profile:
+        prof = cProfile.Profile()
+        for k in range(50):
+            opt.zero_grad()
+            loss_of().backward()
+            sync()
+            prof.runcall(opt.step)
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:12]
+        print("cProfile of those steps: own / cumulative us per step")
+        for (file, line, fn), (_, calls, own, cum, _) in rows:
+            print(f"  {own / 50 * 1e6:8.1f} {cum / 50 * 1e6:8.1f}  {'/'.join(file.split('/')[-2:])}:{line}({fn})")
     for kind in ("fused", "foreach"):
         try:
             t = torch.optim.AdamW(ps, lr=1e-3, **{kind: True})

@@ -1,0 +1,79 @@
+// The DLPack C exchange API (DLPack 1.3: a type attribute `__dlpack_c_exchange_api__`, a PyCapsule
+// named "dlpack_exchange_api" holding a table of C functions). torch >= 2.10 provides it on
+// torch.Tensor. Through it the torch front end reads a gradient's data pointer, dtype and strides
+// in a C call of some tens of nanoseconds instead of Python method calls
+// (`data_ptr()`, `is_contiguous()`: about 120 ns each, the largest part of a step's host time over
+// thousands of new gradients), without linking libtorch.
+//
+// The structs are declared here from the DLPack specification (they are its ABI: layouts fixed by
+// the standard and checked by its major version). Nothing here owns a tensor: the DLTensor that
+// dltensor_from_py_object_no_sync fills borrows the Python object's memory while the caller holds it.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+
+namespace optfuse::py::dlpack_exchange {
+
+enum DeviceType : int32_t { kCPU = 1, kCUDA = 2 };
+enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4 };
+
+struct Device {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct Tensor {
+  void* data;
+  Device device;
+  int32_t ndim;
+  DataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; may be null for a compact row-major tensor
+  uint64_t byte_offset;
+};
+struct Version {
+  uint32_t major, minor;
+};
+struct Header {
+  Version version;
+  Header* prev_api;
+};
+struct Api {
+  Header header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, Tensor* out);  // 0, or -1 with a Python error
+  void* current_work_stream;
+};
+
+// The API of a tensor type (torch.Tensor), or null when the type has none, its DLPack major version
+// is not 1, or it lacks the function used here. Looked up once by the caller.
+const Api* find(PyObject* tensor_type);
+
+// The table set by `_set_torch_exchange(torch.Tensor)` (optfuse.torch does so on import); null:
+// none (then callers take the Python method path).
+const Api* torch_api();
+void set_torch_api(const Api* api);
+
+// Whether a DLTensor is laid out contiguously (row-major, as torch's is_contiguous(): strides of
+// size-1 dimensions do not matter; an empty tensor is contiguous).
+inline bool is_contiguous(const Tensor& t) {
+  if (!t.strides) return true;
+  for (int32_t d = 0; d < t.ndim; ++d)
+    if (t.shape[d] == 0) return true;
+  int64_t expected = 1;
+  for (int32_t d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.strides[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
+}  // namespace optfuse::py::dlpack_exchange
