@@ -76,6 +76,12 @@ class CpuExecutor : public HostExecutor {
     table_words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
   }
 
+  void update_grad_pointers(const std::vector<TensorRef>& tensors) override {
+    if (tensors.size() != tensors_.size() || ranges_.size() != tensors.size()) return set_tensors(tensors);
+    for (size_t t = 0; t < tensors.size(); ++t) tensors_[t].grad.data = tensors[t].grad.data;
+    patch_grad_words(table_words_, tensors, plan_.num_states());
+  }
+
  protected:
   void run_phase(size_t index) override {
     const ElementPhase& ph = plan_.phases[index];

@@ -174,7 +174,13 @@ void rtc_check(nvrtcResult r, const char* fn) {
 // CU(fn, args...) calls the loaded entry point for fn and checks the result; messages name fn as
 // written here (e.g. "cuMemAlloc"), not the versioned symbol. CU_CTX adds a context string.
 #define CU(fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn)
-#define CU_CTX(ctx, fn, ...) cu_check(drv().fn(__VA_ARGS__), #fn, ctx)
+// ctx (a string saying what the call was for) is evaluated only when the call failed: launches and
+// uploads run every step, and building their message each time was host time for nothing.
+#define CU_CTX(ctx, fn, ...)                                    \
+  do {                                                          \
+    const CUresult cu_result_ = drv().fn(__VA_ARGS__);          \
+    if (cu_result_ != CUDA_SUCCESS) cu_check(cu_result_, #fn, ctx); \
+  } while (0)
 #define RTC(fn, ...) rtc_check(rtc().fn(__VA_ARGS__), #fn)
 
 // The primary context (the one the CUDA runtime uses too) is retained once per process and never
@@ -499,19 +505,21 @@ static bool capturing(CUstream stream) {
 void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CUstream stream,
             void** args) {
   if (!f) throw Error("launch: null CUfunction");
-  const std::string shape = "grid=" + std::to_string(grid) + " block=" + std::to_string(block) +
-                            " shared=" + std::to_string(shared_bytes);
-  if (grid == 0 || block == 0) throw Error("launch: empty launch (" + shape + ")");
+  auto shape = [&] {
+    return "grid=" + std::to_string(grid) + " block=" + std::to_string(block) + " shared=" + std::to_string(shared_bytes);
+  };
+  if (grid == 0 || block == 0) throw Error("launch: empty launch (" + shape() + ")");
   ensure_context();
   // Above 48 KiB of dynamic shared memory a kernel must opt in; setting the attribute is cheap and
   // idempotent, and the launch itself still fails cleanly if the device has less.
   if (shared_bytes > 48 * 1024)
-    CU_CTX(shape, cuFuncSetAttribute, f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+    CU_CTX(shape(), cuFuncSetAttribute, f, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
            static_cast<int>(shared_bytes));
-  CU_CTX(shape, cuLaunchKernel, f, grid, 1, 1, block, 1, 1, static_cast<unsigned>(shared_bytes),
+  CU_CTX(shape(), cuLaunchKernel, f, grid, 1, 1, block, 1, 1, static_cast<unsigned>(shared_bytes),
          stream, args, nullptr);
-  if (env_flag("OPTFUSE_CUDA_LAUNCH_BLOCKING") && !capturing(stream))
-    CU_CTX("after kernel launch, " + shape, cuStreamSynchronize, stream);
+  static const bool blocking = env_flag("OPTFUSE_CUDA_LAUNCH_BLOCKING");  // read once, as CUDA's own
+  if (blocking && !capturing(stream))
+    CU_CTX("after kernel launch, " + shape(), cuStreamSynchronize, stream);
 }
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : size_(bytes) {

@@ -321,7 +321,7 @@ class CudaExecutor : public Executor {
     const size_t row = tensor_row_words(plan_.num_states());
     const size_t tail = grad_tail_word(ranges_.size(), plan_.num_states());
     bool rows_changed = false;
-    for (size_t w = 0; w < tail && !rows_changed; ++w) rows_changed = w % row != 1 && words[w] != words_[w];
+    for (size_t w = 0; w < tail && !rows_changed; ++w) rows_changed = w % row != kGradWord && words[w] != words_[w];
     words_ = std::move(words);
     grads_dirty_ = true;
     if (rows_changed) {
@@ -335,6 +335,14 @@ class CudaExecutor : public Executor {
         table_captured_ = false;
       }
     }
+  }
+
+  // Gradients alone moved: their words change (the next step uploads the tail), the rows stay.
+  void update_grad_pointers(const std::vector<TensorRef>& tensors) override {
+    if (tensors.size() != ranges_.size()) return set_tensors(tensors);
+    for (size_t t = 0; t < tensors.size(); ++t) check_aligned(tensors[t].grad, t, 1);
+    patch_grad_words(words_, tensors, plan_.num_states());
+    grads_dirty_ = true;
   }
 
   void step(const StepInputs& in) override {
@@ -435,15 +443,18 @@ class CudaExecutor : public Executor {
   }
 
   // 16-bit and 32-bit element loads need element-aligned addresses; say which buffer is not.
+  // Buffer k of tensor t (0 param, 1 grad, 2... states) holds whole elements at aligned addresses.
+  static void check_aligned(const Buffer& b, size_t t, size_t k) {
+    if (reinterpret_cast<uintptr_t>(b.data) % dtype_size(b.dtype) != 0)
+      throw Error("tensor " + std::to_string(t) + ": buffer " + std::to_string(k) + " is not aligned to its " +
+                  std::to_string(dtype_size(b.dtype)) + "-byte elements");
+  }
   static void check_alignment(const std::vector<TensorRef>& tensors) {
     for (size_t t = 0; t < tensors.size(); ++t) {
       const TensorRef& r = tensors[t];
-      std::vector<const Buffer*> bufs = {&r.param, &r.grad};
-      for (const Buffer& b : r.states) bufs.push_back(&b);
-      for (size_t k = 0; k < bufs.size(); ++k)
-        if (reinterpret_cast<uintptr_t>(bufs[k]->data) % dtype_size(bufs[k]->dtype) != 0)
-          throw Error("tensor " + std::to_string(t) + ": buffer " + std::to_string(k) + " is not aligned to its " +
-                      std::to_string(dtype_size(bufs[k]->dtype)) + "-byte elements");
+      check_aligned(r.param, t, 0);
+      check_aligned(r.grad, t, 1);
+      for (size_t s = 0; s < r.states.size(); ++s) check_aligned(r.states[s], t, 2 + s);
     }
   }
   CUdeviceptr table_at(int offset) const { return table_.ptr() + static_cast<CUdeviceptr>(offset) * sizeof(double); }

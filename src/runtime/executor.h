@@ -40,6 +40,9 @@ class Executor {
   virtual void set_tensors(const std::vector<TensorRef>& tensors) = 0;
   // Same tensors (sizes, dtypes, groups), new data pointers: backends may skip rebuilding chunks.
   virtual void update_pointers(const std::vector<TensorRef>& tensors) { set_tensors(tensors); }
+  // Same tensors, and only gradient pointers moved (every step of a loop that zeroes gradients to
+  // None): backends rewrite the gradient words alone.
+  virtual void update_grad_pointers(const std::vector<TensorRef>& tensors) { update_pointers(tensors); }
   virtual void step(const StepInputs& in) = 0;
   // Elements per chunk (the unit of partial sums, so of sharding).
   virtual int32_t chunk_elements() const = 0;

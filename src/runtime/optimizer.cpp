@@ -235,7 +235,7 @@ void Optimizer::set_grad_pointers(const std::vector<const void*>& grads) {
     tensors_[t].grad.data = const_cast<void*>(grads[t]);
   }
   try {
-    exec_->update_pointers(tensors_);
+    exec_->update_grad_pointers(tensors_);
   } catch (...) {
     for (size_t t = 0; t < grads.size(); ++t) tensors_[t].grad.data = old[t];
     throw;

@@ -1,5 +1,7 @@
 #include "runtime/tensor_table.h"
 
+#include "optfuse/error.h"
+
 namespace optfuse {
 
 std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
@@ -20,6 +22,13 @@ std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, 
   }
   for (const TensorRef& t : tensors) words.push_back(reinterpret_cast<uint64_t>(t.grad.data));
   return words;
+}
+
+void patch_grad_words(std::vector<uint64_t>& words, const std::vector<TensorRef>& tensors, int num_states) {
+  const size_t row = tensor_row_words(num_states), tail = grad_tail_word(tensors.size(), num_states);
+  if (words.size() != tail + tensors.size()) throw Error("patch_grad_words: the table is of another tensor set");
+  for (size_t t = 0; t < tensors.size(); ++t)
+    words[t * row + kGradWord] = words[tail + t] = reinterpret_cast<uint64_t>(tensors[t].grad.data);
 }
 
 }  // namespace optfuse

@@ -19,6 +19,8 @@
 namespace optfuse {
 
 constexpr size_t kTensorTableExtraWords = 5;  // words after the role pointers
+constexpr size_t kGradWord = 1;                // the gradient pointer's word in a row
+
 
 // Words of one tensor's row: a pointer per role (param, grad, each state), then the extra words.
 inline size_t tensor_row_words(int num_states) { return 2 + static_cast<size_t>(num_states) + kTensorTableExtraWords; }
@@ -31,5 +33,9 @@ inline size_t grad_tail_word(size_t num_tensors, int num_states) { return num_te
 // `variants[t]`: tensor t's index in the compiled variant list (assign_variants).
 std::vector<uint64_t> build_tensor_table(const std::vector<TensorRef>& tensors, int num_states,
                                          const std::vector<ChunkRange>& ranges, const std::vector<int>& variants);
+
+// Rewrites the gradient words (in each row and in the tail) of a table build_tensor_table made for
+// the same tensor set: the per-step update of a loop that gives new gradient tensors every step.
+void patch_grad_words(std::vector<uint64_t>& words, const std::vector<TensorRef>& tensors, int num_states);
 
 }  // namespace optfuse
