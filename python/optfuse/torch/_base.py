@@ -6,7 +6,8 @@ and one call into the core per engine. Anything else (new parameters, gradients 
 disappearing, a structural option changing, load_state_dict) marks the optimizer dirty and the next
 step rebuilds the tables.
 
-Subclasses describe how torch's group options map onto optfuse chains:
+Subclasses describe how torch's group options map onto optfuse chains (the first three are handed
+_host_view(group): numbers only, see "Tensor hyperparameters" below):
   _structure(group) -> hashable key: groups with different keys get different chains (engines)
   _features(group)  -> set of optional rules the group needs (e.g. {"weight_decay"})
   _make_chain(key, features, groups) -> the chain (without unscale_by_grad_scale)
@@ -20,6 +21,14 @@ Mixed precision (every subclass; constructor keywords and param_group keys, see 
   remainders, Kahan compensation: extra state slots the core adds) and each role's dtype; a group's
   parameters are bucketed by them and by their dtype, so one model may mix float32 and bfloat16 groups.
 
+Tensor hyperparameters: a CUDA tensor's value is read on the host once, when the optimizer first sees
+the tensor (construction, add_param_group, load_state_dict: torch's own constructors read it there too,
+to validate it). The chain's structure and literals are decided from that value (a DeviceValue), so
+building the tables never waits for the GPU; the kernel reads the tensor itself at every step. Optional
+rules whose value is a CUDA tensor are always in the chain (weight decay 0 costs a multiply by zero), so
+a later fill_ from 0 to non-zero is never lost; a structural value (momentum 0 or not) keeps the value
+it had when first seen.
+
 CUDA graphs: a captured step reads every hyperparameter from device memory at each replay, so a
 capture is refused while some hyperparameter is a Python number (its capture-time value would be
 replayed for ever, whatever a scheduler sets later): give them as CUDA tensors.
@@ -31,6 +40,7 @@ points the tables back at the optimizer's own tensors. Whatever the traced check
 (the first step, a rebuild, a closure, hooks) runs the eager step: one graph break.
 """
 import operator
+import weakref
 
 import torch
 import torch.optim.optimizer as _torch_opt
@@ -53,6 +63,35 @@ def _scalar_dtype():
 
 def _plain(v):
     return float(v) if torch.is_tensor(v) else v
+
+
+class DeviceValue(float):
+    """The value a CUDA-tensor hyperparameter had when the optimizer first saw it (see the module
+    docstring); the kernel reads the tensor itself. Optional rules treat it as present even at 0."""
+
+
+_FIRST_SEEN = weakref.WeakKeyDictionary()  # CUDA tensor -> DeviceValue
+
+
+def _host_number(v):
+    """A one-element CUDA tensor as its DeviceValue (read from the device the first time only); any
+    other value unchanged."""
+    if torch.is_tensor(v) and v.is_cuda and v.numel() == 1:
+        x = _FIRST_SEEN.get(v)
+        if x is None:
+            x = _FIRST_SEEN[v] = DeviceValue(v.item())
+        return x
+    return v
+
+
+def _host_view(g):
+    """The group as the chain is built from it: CUDA-tensor values (alone or in a tuple, as betas)
+    replaced by their DeviceValues, so that nothing built from it reads the device."""
+    def host(v):
+        if isinstance(v, tuple):
+            return tuple(_host_number(x) for x in v)
+        return _host_number(v)
+    return {k: (v if k == "params" else host(v)) for k, v in g.items()}
 
 
 def _sig_key(v):
@@ -185,6 +224,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
                                    f"{p.dtype} (shape {tuple(p.shape)})")
         _check_precision_options(type(self).__name__, group)
+        _host_view(group)  # CUDA-tensor hyperparameters read now, not when the first step is queued
         if group.get("differentiable", False):
             raise OptfuseError(f"{type(self).__name__}: differentiable=True is not supported (optfuse steps "
                                "parameters in place, outside autograd)")
@@ -199,6 +239,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         super().load_state_dict(state_dict)
         self._fill_precision_keys()
+        for g in self.param_groups:
+            _host_view(g)  # (as add_param_group)
         # torch casts every state tensor to its parameter's dtype; optfuse states keep their own
         # (a float32 master or float32 moments beside a bfloat16 parameter, an int16 remainder).
         params = [p for g in self.param_groups for p in g["params"]]
@@ -368,7 +410,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if not frozen or all(not torch.is_tensor(g.get(k)) or g[k].is_cuda or float(g[k]) == v
                                  for k, v in frozen.items()):
                 continue
-            if self._structure(g) != layout.keys[i] or not self._features(g) <= layout.features[i]:
+            h = _host_view(g)
+            if self._structure(h) != layout.keys[i] or not self._features(h) <= layout.features[i]:
                 raise OptfuseError(f"{type(self).__name__}: a tensor hyperparameter of group {i} changed in a way that "
                                    "changes the compiled chain (e.g. weight_decay from 0 to non-zero) inside a "
                                    "torch.compile'd step, which cannot rebuild the tables; run one eager step() after "
@@ -398,7 +441,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             key=f"{self._graph_id}.{self._graph_builds}", params=params, states=states, slices=slices,
             others=[p for g in groups for p in g["params"] if id(p) not in stepping],
             hyper_names=[tuple(self._hypers(g)) for g in groups],
-            frozen=[{k: float(v) for k, v in g.items() if torch.is_tensor(v) and v.numel() == 1} for g in groups],
+            frozen=[{k: float(_host_number(v)) for k, v in g.items() if torch.is_tensor(v) and v.numel() == 1}
+                    for g in groups],
             keys=list(self._keys), features=[self._engine_features(i) for i in range(len(groups))],
             precisions=[_precision_key(g) for g in groups], cuda=self._on_cuda,
             host_frozen=any(torch.is_tensor(v) and not v.is_cuda for g in groups for v in g.values()))
@@ -415,7 +459,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             if self._tensor_hypers:
                 sig = _sig_key(sig)
             if sig != self._sigs[i]:
-                if (self._structure(g) != self._keys[i] or not self._features(g) <= self._engine_features(i)
+                h = _host_view(g)
+                if (self._structure(h) != self._keys[i] or not self._features(h) <= self._engine_features(i)
                         or _precision_of(g) != self._precisions[i]):
                     return False
                 hypers = self._hypers(g)
@@ -488,11 +533,12 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _rebuild(self):
         self._sync_steps()
         groups = self.param_groups
-        self._keys = [self._structure(g) for g in groups]
+        hosts = [_host_view(g) for g in groups]
+        self._keys = [self._structure(h) for h in hosts]
         self._precisions = [_precision_of(g) for g in groups]
         self._features_by_key = {}
-        for k, g in zip(self._keys, groups):
-            self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(g)
+        for k, h in zip(self._keys, hosts):
+            self._features_by_key[k] = self._features_by_key.get(k, frozenset()) | self._features(h)
         params = [p for g in groups for p in g["params"]]
         dtensors = [p for p in params if _dtensor.is_dtensor(p)]
         grads = self._watch_gradients(params, dtensors)
@@ -518,7 +564,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         engines, self._copies = {}, []
         for (key, device, storage), items in buckets.items():
             feats = self._features_by_key[key]
-            chain = _with_unscale(self._make_chain(key, feats, [g for k, g in zip(self._keys, groups) if k == key]))
+            chain = _with_unscale(self._make_chain(key, feats, [h for k, h in zip(self._keys, hosts) if k == key]))
             text = _core.chain_text(chain)
             old = self._engines.get((key, device, storage))
             engine = (old if old is not None and old.chain_text == text

@@ -40,11 +40,21 @@ def dtype_code(t):
     return _FLOAT_CODES.get(t.dtype)
 
 
+# torch's C functions behind torch.cuda.current_device() / current_stream(), called directly on the
+# step's path (the Python wrappers cost several microseconds of a step's host time).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_device():
+    """torch's current CUDA device index (CUDA is initialised: the caller holds CUDA tensors)."""
+    return _get_device() if _get_device is not None else torch.cuda.current_device()
+
+
 def current_stream(device):
     """The raw CUDA stream torch is using on `device`, as an int (0: the legacy default stream)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(device.index if device.index is not None else torch.cuda.current_device())
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -242,7 +252,7 @@ class _on_device:
 
     def __enter__(self):
         if self.device.type == "cuda" and self.device.index is not None:
-            cur = torch.cuda.current_device()
+            cur = current_device()
             if cur != self.device.index:
                 self.prev = cur
                 torch.cuda.set_device(self.device.index)

@@ -5,7 +5,7 @@ import sys
 import torch
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError, _with_unscale
+from ._base import FusedOptimizer, OptfuseError, _host_view, _with_unscale
 from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 
@@ -127,7 +127,8 @@ def explain(opt, backend="cpu", source=False):
         raise OptfuseError(f"optfuse.torch.explain: {type(opt).__name__} is not an optfuse optimizer; fuse() it first")
     seen, texts = set(), []
     for g in opt.param_groups:
-        chain = _with_unscale(opt._make_chain(opt._structure(g), opt._features(g), [g]))
+        h = _host_view(g)
+        chain = _with_unscale(opt._make_chain(opt._structure(h), opt._features(h), [h]))
         text = _core.chain_text(chain)
         if text not in seen:
             seen.add(text)

@@ -7,7 +7,7 @@ kept but ignored)."""
 import torch
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError, _plain, _scalar_dtype
+from ._base import DeviceValue, FusedOptimizer, OptfuseError, _plain, _scalar_dtype
 
 
 def _torch_defaults(cls, kwargs):
@@ -24,10 +24,11 @@ def _reject(name, kwargs):
 
 def _wd_arg(features, groups):
     """weight_decay for the chain: a non-zero value when some group needs the rule (each group's own
-    value is pushed as a hyperparameter afterwards), else 0 so the rule is left out."""
+    value is pushed or bound as a hyperparameter afterwards), else 0 so the rule is left out."""
     if "weight_decay" not in features:
         return 0.0
-    return next(float(g["weight_decay"]) for g in groups if float(g["weight_decay"]) != 0)
+    # (all zero: a CUDA tensor that is 0 now; the kernel reads the tensor)
+    return next((float(g["weight_decay"]) for g in groups if float(g["weight_decay"]) != 0), 1.0)
 
 
 class _OptionalWeightDecay(FusedOptimizer):
@@ -35,7 +36,8 @@ class _OptionalWeightDecay(FusedOptimizer):
     the chain has weight_decay 0 (the rule costs nothing then, not even a read of the parameter)."""
 
     def _features(self, g):
-        return frozenset({"weight_decay"}) if float(g["weight_decay"]) != 0 else frozenset()
+        wd = g["weight_decay"]
+        return frozenset({"weight_decay"}) if isinstance(wd, DeviceValue) or float(wd) != 0 else frozenset()
 
 
 class MomentumFromFirstGradient:

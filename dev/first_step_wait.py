@@ -1,0 +1,71 @@
+"""Does the first step() (the one that builds the tables) wait for the GPU? Host time of that step
+with and without ~--sleep-ms of GPU work queued ahead, for optfuse.torch.AdamW with CUDA-tensor
+hyperparameters (capturable) and with Python numbers; a step that waits takes the sleep longer.
+--profile: cProfile of the step behind the sleep (cumulative), to find where a wait happens.
+
+    python3 dev/first_step_wait.py [--tensors 148] [--numel 1048576] [--sleep-ms 50] [--profile]"""
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import optfuse.torch as oft
+
+
+def cycles_per_ms():
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    torch.cuda._sleep(10_000_000)
+    e1.record()
+    torch.cuda.synchronize()
+    return 10_000_000 / e0.elapsed_time(e1)
+
+
+def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
+    ps = [torch.nn.Parameter(torch.randn(a.numel, device="cuda")) for _ in range(a.tensors)]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    t = (lambda x: torch.tensor(x, device="cuda")) if tensor_hypers else (lambda x: x)
+    opt = oft.AdamW(ps, lr=t(1e-3), betas=(t(0.9), t(0.999)), eps=t(1e-8), weight_decay=t(0.01),
+                    capturable=tensor_hypers)
+    torch.cuda.synchronize()
+    if sleep_cycles:
+        torch.cuda._sleep(sleep_cycles)
+    prof = cProfile.Profile() if profile else None
+    t0 = time.perf_counter()
+    prof.runcall(opt.step) if prof else opt.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    if prof:
+        print("  cProfile (cumulative ms):")
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][3])[:14]
+        for (file, line, fn), (_, calls, own, cum, _) in rows:
+            print(f"    {cum * 1e3:9.2f} {own * 1e3:9.2f}  {calls:5d}  {'/'.join(file.split('/')[-2:])}:{line}({fn})")
+    return ms
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tensors", type=int, default=148)
+    ap.add_argument("--numel", type=int, default=1 << 20)
+    ap.add_argument("--sleep-ms", type=float, default=50.0)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    cyc = int(a.sleep_ms * cycles_per_ms())
+    first_step_ms(a, True, 0, False)  # compiles and caches the kernels: later builds load them
+    for tensor_hypers in (True, False):
+        alone = first_step_ms(a, tensor_hypers, 0, False)
+        behind = first_step_ms(a, tensor_hypers, cyc, False)
+        kind = "CUDA-tensor hyperparameters" if tensor_hypers else "Python-number hyperparameters"
+        verdict = "WAITS" if behind > alone + 0.5 * a.sleep_ms else "does not wait"
+        print(f"{a.tensors} x {a.numel}, {kind}: first step {alone:.1f} ms alone, {behind:.1f} ms behind "
+              f"{a.sleep_ms:g} ms of GPU work: {verdict}")
+        if a.profile and verdict == "WAITS":
+            first_step_ms(a, tensor_hypers, cyc, True)
+
+
+if __name__ == "__main__":
+    main()
