@@ -40,16 +40,17 @@ points the tables back at the optimizer's own tensors. Whatever the traced check
 (the first step, a rebuild, a closure, hooks) runs the eager step: one graph break.
 """
 import operator
-import weakref
 
 import torch
 import torch.optim.optimizer as _torch_opt
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _core
 from . import _compile, _dtensor
 from ._engine import Engine, dtype_code
 
 OptfuseError = _core.OptfuseError
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 
 # Mixed-precision options of every optfuse.torch optimizer (constructor keywords and param_group
 # keys) and their defaults: the defaults step every role in the parameter's dtype, as torch does.
@@ -70,7 +71,9 @@ class DeviceValue(float):
     docstring); the kernel reads the tensor itself. Optional rules treat it as present even at 0."""
 
 
-_FIRST_SEEN = weakref.WeakKeyDictionary()  # CUDA tensor -> DeviceValue
+# CUDA tensor -> DeviceValue, by identity (a WeakKeyDictionary would compare tensors with ==: a
+# device read, the very wait this avoids)
+_FIRST_SEEN = WeakIdKeyDictionary()
 
 
 def _host_number(v):
@@ -155,6 +158,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._of_dirty = True
         self._engines = {}
         self._watch = None
+        self._watch_dtensors = False
+        self._zero_later = None  # during a rebuild: new states to zero (_states_for)
         self._steps = {}
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._sigs = []
@@ -467,7 +472,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for e in self._engines.values():
                     e.push_hypers(i, hypers)
                 self._sigs[i] = sig
-        r = self._watch.check()  # (also: a DTensor parameter's local tensor replaced, as FSDP2 does on a load)
+        if self._watch_dtensors:
+            # DTensor parameters (FSDP2): their .grad read without __torch_function__ dispatch (DTensor's
+            # is the disabled one, so the getter returns the same object; about 0.3 us per parameter)
+            with _NO_TORCH_FUNCTION():
+                r = self._watch.check()  # (also: a local tensor replaced, as FSDP2 does on a load)
+        else:
+            r = self._watch.check()
         if r == 0:
             return True
         if r == 1 and not self._copies:
@@ -571,18 +582,26 @@ class FusedOptimizer(torch.optim.Optimizer):
                       else Engine(chain, device, self._skips_only_on_found_inf, *storage))
             engine.chain_text = text
             entries = []
-            for p, grad, tg, w, lp in items:
-                # torch keeps no state entry for a parameter whose optimizer holds none (SGD
-                # without momentum): neither do we, so state dicts have the same keys.
-                st = self.state[p] if (engine.state_names or self._step_in_state) else self.state.get(p, {})
-                step = self._adjust_step(st, self._step_of(p), engine)
-                self._steps[p] = step
-                prec = self._precisions[tg]
-                states = self._states_for(p, st, engine, prec)
-                # Stochastic rounding: the parameter's stores unless a master copy holds its value.
-                stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
-                entries.append((p, self._grad_for(lp, grad), states, tg, step, w, stochastic, self._rng_stream(p, w),
-                                self._ustates_of(p, st, engine)))
+            # New zero states are zeroed together (torch._foreach_zero_: a few launches, where a fill_
+            # per state would be thousands and could fill CUDA's launch queue behind queued work)
+            self._zero_later = []
+            try:
+                for p, grad, tg, w, lp in items:
+                    # torch keeps no state entry for a parameter whose optimizer holds none (SGD
+                    # without momentum): neither do we, so state dicts have the same keys.
+                    st = self.state[p] if (engine.state_names or self._step_in_state) else self.state.get(p, {})
+                    step = self._adjust_step(st, self._step_of(p), engine)
+                    self._steps[p] = step
+                    prec = self._precisions[tg]
+                    states = self._states_for(p, st, engine, prec)
+                    # Stochastic rounding: the parameter's stores unless a master copy holds its value.
+                    stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
+                    entries.append((p, self._grad_for(lp, grad), states, tg, step, w, stochastic,
+                                    self._rng_stream(p, w), self._ustates_of(p, st, engine)))
+            finally:  # (also when a state fails: no state is left unzeroed in self.state)
+                zero, self._zero_later = self._zero_later, None
+                if zero:  # (a DTensor state: its local shard)
+                    torch._foreach_zero_([_dtensor.local(t) for t in zero])
             engine.build(entries, lambda tg: self._hypers(groups[tg]))
             if engine.core.plan.reduction_scopes and any(lp is not p for p, _, _, _, lp in items):
                 _dtensor.set_mesh_exchange(type(self).__name__, engine)  # FSDP2: reductions over the mesh
@@ -607,6 +626,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         - A DTensor parameter (FSDP2) is watched through its gradient's local shard (`_local_tensor`).
         - A ZeRO stage-1 piece (`_grad_sources`: id(piece) -> (parameter, first element)) is watched
           through its parameter's gradient at the piece's offset: no view per piece and step."""
+        self._watch_dtensors = bool(dtensors)
         sources = self.__dict__.get("_grad_sources")
         if sources is None:
             self._watch = _core._GradWatch(params, [], [_dtensor.is_dtensor(p) for p in params] if dtensors else [])
@@ -643,6 +663,8 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if from_param:
                     with torch.no_grad():  # a state, never part of the autograd graph
                         t.copy_(p)  # a master copy starts as the parameter
+                elif init == 0 and self._zero_later is not None:
+                    self._zero_later.append(t)  # zeroed with the others in one multi-tensor launch
                 else:
                     t.fill_(init)
             else:

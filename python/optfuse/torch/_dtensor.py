@@ -16,9 +16,17 @@ one dict lookup and import nothing.
 import sys
 
 
+_DTENSOR = []  # the class, once torch.distributed.tensor is imported (a rebuild asks per tensor and state)
+
+
 def _dtensor_class():
+    if _DTENSOR:
+        return _DTENSOR[0]
     mod = sys.modules.get("torch.distributed.tensor")
-    return getattr(mod, "DTensor", None) if mod is not None else None
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    if cls is not None:
+        _DTENSOR.append(cls)
+    return cls
 
 
 def is_dtensor(t):
