@@ -3,10 +3,16 @@ with and without ~--sleep-ms of GPU work queued ahead, for optfuse.torch.AdamW w
 hyperparameters (capturable) and with Python numbers; a step that waits takes the sleep longer.
 --profile: cProfile of the step behind the sleep (cumulative), to find where a wait happens.
 
-    python3 dev/first_step_wait.py [--tensors 148] [--numel 1048576] [--sleep-ms 50] [--profile]"""
+    python3 dev/first_step_wait.py [--tensors 148] [--numel 1048576] [--sleep-ms 50] [--profile]
+                                   [--workload gpt2-small]
+
+--workload: the shapes of bench/workload_shapes.py, parameters made as bench/training_loop.py makes
+them (after torch.cuda.empty_cache(), so the states need new device memory) instead of equal tensors."""
 import argparse
 import cProfile
+import os
 import pstats
+import sys
 import time
 
 import torch
@@ -24,8 +30,17 @@ def cycles_per_ms():
     return 10_000_000 / e0.elapsed_time(e1)
 
 
+def make_params(a):
+    if not a.workload:
+        return [torch.nn.Parameter(torch.randn(a.numel, device="cuda")) for _ in range(a.tensors)]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    from workload_shapes import shapes
+    torch.cuda.empty_cache()
+    return [torch.randn(s, device="cuda").requires_grad_() for s in shapes(a.workload)]
+
+
 def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
-    ps = [torch.nn.Parameter(torch.randn(a.numel, device="cuda")) for _ in range(a.tensors)]
+    ps = make_params(a)
     for p in ps:
         p.grad = torch.randn_like(p)
     t = (lambda x: torch.tensor(x, device="cuda")) if tensor_hypers else (lambda x: x)
@@ -53,6 +68,7 @@ def main():
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--sleep-ms", type=float, default=50.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--workload", help="a workload of bench/workload_shapes.py (e.g. gpt2-small)")
     a = ap.parse_args()
     cyc = int(a.sleep_ms * cycles_per_ms())
     first_step_ms(a, True, 0, False)  # compiles and caches the kernels: later builds load them
@@ -61,7 +77,8 @@ def main():
         behind = first_step_ms(a, tensor_hypers, cyc, False)
         kind = "CUDA-tensor hyperparameters" if tensor_hypers else "Python-number hyperparameters"
         verdict = "WAITS" if behind > alone + 0.5 * a.sleep_ms else "does not wait"
-        print(f"{a.tensors} x {a.numel}, {kind}: first step {alone:.1f} ms alone, {behind:.1f} ms behind "
+        what = a.workload or f"{a.tensors} x {a.numel}"
+        print(f"{what}, {kind}: first step {alone:.1f} ms alone, {behind:.1f} ms behind "
               f"{a.sleep_ms:g} ms of GPU work: {verdict}")
         if a.profile and verdict == "WAITS":
             first_step_ms(a, tensor_hypers, cyc, True)
