@@ -288,6 +288,11 @@ TENSOR_CASES = [
      ["lr", "betas", "eps", "weight_decay"],
      [dict(lr=3e-3, betas=(0.8, 0.95)), dict(eps=1e-4, weight_decay=0.3)]),
     ("AdamW", dict(lr=1e-2), ["lr"], [dict(lr=3e-3), dict(lr=2e-2)]),
+    # weight decay 0 when the optimizer is built, non-zero later: the rule must be in the chain then
+    # (a CUDA tensor: always; a CPU tensor: the change rebuilds)
+    ("AdamW", dict(lr=1e-2, weight_decay=0.0), ["lr", "weight_decay"], [dict(weight_decay=0.1), dict(lr=3e-3)]),
+    ("SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.0), ["weight_decay"],
+     [dict(weight_decay=0.05), dict(weight_decay=0.2)]),
     ("AdamW", dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1),
      ["lr", "betas", "eps", "weight_decay"],
      [dict(lr=3e-3, betas=(0.8, 0.95)), dict(eps=1e-4, weight_decay=0.3)]),
