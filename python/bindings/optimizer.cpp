@@ -482,7 +482,6 @@ class GradWatch {
   }
 
   // Records every parameter's current .grad; returns them (None where absent).
-  // Records every parameter's current .grad; returns them (None where absent).
   nb::list snapshot() {
     nb::list out;
     param_locals_.assign(params_.size(), nb::object());

@@ -62,8 +62,12 @@ int resident_blocks(int regs, int threads, int arch) {
 class Uploader {
  public:
   void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
+    upload(dst, src, bytes, stream, cuda::stream_is_capturing(stream));
+  }
+  // The same, where the caller knows whether `stream` is being captured (the step asks once).
+  void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream, bool capturing) {
     if (bytes == 0) return;
-    if (cuda::stream_is_capturing(stream)) return upload_captured(dst, src, bytes, stream);
+    if (capturing) return upload_captured(dst, src, bytes, stream);
     if (spare_.size() < spare_bytes_) spare_ = cuda::PinnedBuffer(spare_bytes_);
     Slot& slot = free_slot(bytes);
     std::memcpy(slot.buf.data(), src, bytes);
@@ -358,11 +362,11 @@ class CudaExecutor : public Executor {
     // steps uploaded since: 8 bytes per tensor, the table's tail); an eager step uploads them only
     // when they changed, and the whole table only when other pointers did.
     if (table_dirty_) {
-      uploads_.upload(tensor_table_.ptr(), words_.data(), words_.size() * sizeof(uint64_t), s);
+      uploads_.upload(tensor_table_.ptr(), words_.data(), words_.size() * sizeof(uint64_t), s, capturing);
     } else if (grads_dirty_ || capturing) {
       const size_t tail = grad_tail_word(ranges_.size(), plan_.num_states());
       uploads_.upload(tensor_table_.ptr() + tail * sizeof(uint64_t), words_.data() + tail,
-                      (words_.size() - tail) * sizeof(uint64_t), s);
+                      (words_.size() - tail) * sizeof(uint64_t), s, capturing);
     }
     if (capturing) {
       table_captured_ = true;
