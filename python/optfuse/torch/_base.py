@@ -658,7 +658,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         for name, init, (from_param, fixed) in zip(engine.state_names, engine.state_inits, engine.state_storage):
             dtype = fixed or _state_dtype(prec, p, name)
             t = st.get(name)
-            if t is None:
+            fresh = t is None  # made below in the parameter's layout and the role's dtype
+            if fresh:
                 t = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 if from_param:
                     with torch.no_grad():  # a state, never part of the autograd graph
@@ -670,7 +671,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 if _dtensor.is_dtensor(p) and not _dtensor.is_dtensor(t):
                     t = _dtensor.as_state(t, p)  # a plain tensor from a state dict saved without FSDP2
-            if (t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride()
+            if not fresh and (
+                    t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride()
                     or _dtensor.local(t).stride() != _dtensor.local(p).stride()):
                 # A state of another dtype or layout (a torch state dict, a changed state_dtype):
                 # converted once into the layout and dtype the kernel steps.

@@ -36,7 +36,8 @@ def is_dtensor(t):
 
 def local(t):
     """The tensor the kernel steps: a DTensor's local shard (the very tensor it holds, no copy), else t."""
-    return t._local_tensor if is_dtensor(t) else t
+    cls = _DTENSOR[0] if _DTENSOR else _dtensor_class()  # (is_dtensor, inlined: a rebuild calls this per role)
+    return t._local_tensor if cls is not None and isinstance(t, cls) else t
 
 
 def check_grad(name, p, tg):
