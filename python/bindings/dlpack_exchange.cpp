@@ -1,11 +1,10 @@
-// The DLPack C exchange API table of torch.Tensor (dlpack_exchange.h) and the two functions the
-// torch front end calls to install it.
+// The DLPack C exchange API table of torch.Tensor (dlpack_exchange.h) and the function the torch
+// front end calls to install it.
 #include "bindings/dlpack_exchange.h"
 
 #include <nanobind/nanobind.h>
 
 #include "bindings/common.h"
-#include "optfuse/error.h"
 
 using namespace nb::literals;
 

@@ -16,9 +16,6 @@
 
 namespace optfuse::py::dlpack_exchange {
 
-enum DeviceType : int32_t { kCPU = 1, kCUDA = 2 };
-enum TypeCode : uint8_t { kInt = 0, kUInt = 1, kFloat = 2, kBfloat = 4 };
-
 struct Device {
   int32_t device_type;
   int32_t device_id;
@@ -52,6 +49,9 @@ struct Api {
   int (*dltensor_from_py_object_no_sync)(void* py_object, Tensor* out);  // 0, or -1 with a Python error
   void* current_work_stream;
 };
+
+// The layouts DLPack 1.x fixes on 64-bit hosts (DLTensor 48 bytes, DLPackExchangeAPI 56).
+static_assert(sizeof(void*) == 8 && sizeof(Tensor) == 48 && sizeof(Api) == 56, "DLPack exchange ABI");
 
 // The API of a tensor type (torch.Tensor), or null when the type has none, its DLPack major version
 // is not 1, or it lacks the function used here. Looked up once by the caller.
