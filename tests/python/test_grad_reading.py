@@ -109,3 +109,39 @@ def test_a_gradient_dtype_change_rebuilds(reading):
     assert torch.isfinite(ma).all()
     diff = (ma - mb).abs().max().item()
     assert 0 < diff < 1e-3, f"float32 and bfloat16 gradients gave masters {diff:.3g} apart"
+
+
+def test_contiguous_gradients_with_odd_strides_on_size_one_dimensions(reading):
+    """torch calls a tensor contiguous whatever the strides of its size-1 dimensions (and any empty
+    tensor contiguous): such gradients are read in place, every step, as torch reads them."""
+    torch.manual_seed(0)
+    shapes = [(1, 5), (3, 1, 4), (0, 3), (7,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    start = [p.detach().clone() for p in ours]
+    opt = oft.AdamW(ours, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    g = torch.Generator().manual_seed(2)
+
+    def odd(x):  # the same values, a size-1 dimension given stride 1000
+        if x.dim() < 2 or 1 not in x.shape:
+            return x
+        strides = tuple(1000 if n == 1 else st for n, st in zip(x.shape, x.stride()))
+        y = torch.empty(x.numel() * 1000 + 1).as_strided(x.shape, strides)
+        y.copy_(x)
+        assert y.is_contiguous() and y.stride() != x.stride()
+        return y
+    for step in range(6):
+        for p, q in zip(ours, ref):
+            x = odd(torch.randn(p.shape, generator=g))
+            p.grad, q.grad = x, x.clone()
+        opt.step()
+        ref_opt.step()
+    # New gradients of that layout only move pointers (1), they do not rebuild the tables (2)
+    for p in ours:
+        p.grad = odd(torch.randn(p.shape, generator=g))
+    assert opt._watch.check() == 1
+    for p, q, s in zip(ours, ref, start):
+        assert torch.allclose(p, q, rtol=0, atol=TOL), (p.shape, (p - q).abs().max())
+        if p.numel():
+            assert (q - s).abs().max() > 1000 * TOL, "training barely moved the parameters"
