@@ -11,32 +11,23 @@ them (after torch.cuda.empty_cache(), so the states need new device memory) inst
 import argparse
 import cProfile
 import os
-import pstats
 import sys
 import time
 
 import torch
 
 import optfuse.torch as oft
+from profile_top import print_top
 
-
-def cycles_per_ms():
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    torch.cuda._sleep(10_000_000)
-    e1.record()
-    torch.cuda.synchronize()
-    return 10_000_000 / e0.elapsed_time(e1)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+from training_loop import Workload, sleep_cycles_per_ms  # noqa: E402
+from workload_shapes import shapes  # noqa: E402
 
 
 def make_params(a):
     if not a.workload:
         return [torch.nn.Parameter(torch.randn(a.numel, device="cuda")) for _ in range(a.tensors)]
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    from workload_shapes import shapes
-    torch.cuda.empty_cache()
-    return [torch.randn(s, device="cuda").requires_grad_() for s in shapes(a.workload)]
+    return Workload(shapes(a.workload)).fresh_params()
 
 
 def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
@@ -55,10 +46,7 @@ def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
     ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     if prof:
-        print("  cProfile (cumulative ms):")
-        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][3])[:14]
-        for (file, line, fn), (_, calls, own, cum, _) in rows:
-            print(f"    {cum * 1e3:9.2f} {own * 1e3:9.2f}  {calls:5d}  {'/'.join(file.split('/')[-2:])}:{line}({fn})")
+        print_top(prof, 1, 14, "the step behind the sleep", cumulative=True)
     return ms
 
 
@@ -70,7 +58,7 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--workload", help="a workload of bench/workload_shapes.py (e.g. gpt2-small)")
     a = ap.parse_args()
-    cyc = int(a.sleep_ms * cycles_per_ms())
+    cyc = int(a.sleep_ms * sleep_cycles_per_ms())
     first_step_ms(a, True, 0, False)  # compiles and caches the kernels: later builds load them
     for tensor_hypers in (True, False):
         alone = first_step_ms(a, tensor_hypers, 0, False)

@@ -520,8 +520,7 @@ class GradWatch {
     dlpack_exchange::Tensor t;
     if (api_->dltensor_from_py_object_no_sync(g, &t) != 0) {
       PyErr_Clear();
-      refs_[i] = nb::object();  // (no identity shortcut: always read)
-      return read_methods(g, i);
+      return read_methods(g, i);  // (with the API no identity is kept: it reads every time)
     }
     if (dtype_key(t) != dtypes_[i] || !dlpack_exchange::is_contiguous(t)) return 2;
     const uint64_t ptr = reinterpret_cast<uint64_t>(t.data) + t.byte_offset + static_cast<uint64_t>(offsets_[i]);

@@ -9,13 +9,17 @@ a real backward (gradients made by autograd; --profile: their cProfile); torch's
 comparison. On CUDA the times are host times (no synchronisation inside)."""
 import argparse
 import cProfile
-import pstats
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 import optfuse.torch as oft
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "dev"))
+from profile_top import print_top  # noqa: E402
 
 
 def median_us(fn, reps=200, trials=7):
@@ -106,10 +110,7 @@ def main():
             loss_of().backward()
             sync()
             prof.runcall(opt.step)
-        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:12]
-        print("cProfile of those steps: own / cumulative us per step")
-        for (file, line, fn), (_, calls, own, cum, _) in rows:
-            print(f"  {own / 50 * 1e6:8.1f} {cum / 50 * 1e6:8.1f}  {'/'.join(file.split('/')[-2:])}:{line}({fn})")
+        print_top(prof, 50, 12, "the steps after backward")
     for kind in ("fused", "foreach"):
         try:
             t = torch.optim.AdamW(ps, lr=1e-3, **{kind: True})

@@ -26,22 +26,22 @@ def reading(request):
     _core._set_torch_exchange(torch.Tensor)
 
 
-def train(model, opt, after_backward=None, steps=STEPS):
+def train(model, opt, after_backward=None, set_to_none=True, steps=STEPS):
     for s in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss_of(model, s, "cpu", torch.float32).backward()
         if after_backward is not None:
             after_backward(model, s)
         opt.step()
 
 
-def assert_matches_torch(name, kw, after_backward=None):
+def assert_matches_torch(name, kw, after_backward=None, set_to_none=True):
     model = make_model("cpu")
     start, ref_model = twin(model), twin(model)
     ours = getattr(oft, name)(model.parameters(), **kw)
     ref = getattr(torch.optim, name)(ref_model.parameters(), foreach=False, **kw)
-    train(model, ours, after_backward)
-    train(ref_model, ref, after_backward)
+    train(model, ours, after_backward, set_to_none)
+    train(ref_model, ref, after_backward, set_to_none)
     assert rel_diff(ref_model, start) > 1000 * TOL, "training barely moved the parameters"
     d = rel_diff(model, ref_model)
     assert d <= TOL, f"parameters differ from torch's by {d:.3g}"
@@ -71,9 +71,12 @@ def test_a_gradient_re_pointed_in_place():
 
     def re_point(model, s):
         w = model[0].weight
+        stale = w.grad.detach()  # shares the storage the gradient leaves
         w.grad.set_(w.grad.clone())  # same object, new storage
-        keep.append(w.grad.untyped_storage())
-    assert_matches_torch("AdamW", dict(lr=1e-2), re_point)
+        stale.zero_()  # a step that read the old storage would see a zero gradient
+        keep.append(stale)
+    # zero_grad(set_to_none=False): the gradient stays the very object of the last step
+    assert_matches_torch("AdamW", dict(lr=1e-2), re_point, set_to_none=False)
 
 
 def test_a_gradient_dtype_change_rebuilds(reading):

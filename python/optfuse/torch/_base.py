@@ -463,8 +463,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             sig = get(g)
             if self._tensor_hypers:
                 sig = _sig_key(sig)
-            if sig != self._sigs[i]:
-                h = _host_view(g)
+            if sig != self._sigs[i]:  # (a scheduler's float lr: every step, so no host view without tensors)
+                h = _host_view(g) if self._tensor_hypers else g
                 if (self._structure(h) != self._keys[i] or not self._features(h) <= self._engine_features(i)
                         or _precision_of(g) != self._precisions[i]):
                     return False
