@@ -2,9 +2,12 @@
 with and without ~--sleep-ms of GPU work queued ahead, for optfuse.torch.AdamW with CUDA-tensor
 hyperparameters (capturable) and with Python numbers; a step that waits takes the sleep longer.
 --profile: cProfile of the step behind the sleep (cumulative), to find where a wait happens.
+--sync-debug: one more first step under torch.cuda.set_sync_debug_mode("error"): the first torch
+call in it that synchronises with the GPU raises, and its traceback is printed (syncs inside
+optfuse's C++ do not show there).
 
     python3 dev/first_step_wait.py [--tensors 148] [--numel 1048576] [--sleep-ms 50] [--profile]
-                                   [--workload gpt2-small]
+                                   [--sync-debug] [--workload gpt2-small]
 
 --workload: the shapes of bench/workload_shapes.py, parameters made as bench/training_loop.py makes
 them (after torch.cuda.empty_cache(), so the states need new device memory) instead of equal tensors."""
@@ -13,6 +16,7 @@ import cProfile
 import os
 import sys
 import time
+import traceback
 
 import torch
 
@@ -30,7 +34,7 @@ def make_params(a):
     return Workload(shapes(a.workload)).fresh_params()
 
 
-def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
+def first_step_ms(a, tensor_hypers, sleep_cycles, profile, sync_debug=False):
     ps = make_params(a)
     for p in ps:
         p.grad = torch.randn_like(p)
@@ -42,7 +46,11 @@ def first_step_ms(a, tensor_hypers, sleep_cycles, profile):
         torch.cuda._sleep(sleep_cycles)
     prof = cProfile.Profile() if profile else None
     t0 = time.perf_counter()
-    prof.runcall(opt.step) if prof else opt.step()
+    try:
+        torch.cuda.set_sync_debug_mode("error" if sync_debug else 0)
+        prof.runcall(opt.step) if prof else opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
     ms = (time.perf_counter() - t0) * 1e3
     torch.cuda.synchronize()
     if prof:
@@ -56,6 +64,7 @@ def main():
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--sleep-ms", type=float, default=50.0)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sync-debug", action="store_true")
     ap.add_argument("--workload", help="a workload of bench/workload_shapes.py (e.g. gpt2-small)")
     a = ap.parse_args()
     cyc = int(a.sleep_ms * sleep_cycles_per_ms())
@@ -70,6 +79,17 @@ def main():
               f"{a.sleep_ms:g} ms of GPU work: {verdict}")
         if a.profile and verdict == "WAITS":
             first_step_ms(a, tensor_hypers, cyc, True)
+        if a.sync_debug:
+            sync_debug_step(a, tensor_hypers)
+
+
+def sync_debug_step(a, tensor_hypers):
+    try:
+        first_step_ms(a, tensor_hypers, 0, False, sync_debug=True)
+        print("sync debug: no torch call in the first step synchronised with the GPU")
+    except RuntimeError:
+        print("sync debug: a torch call in the first step synchronised with the GPU:")
+        traceback.print_exc(file=sys.stdout)
 
 
 if __name__ == "__main__":

@@ -129,9 +129,29 @@ template <int DT> __device__ __forceinline__ void of_set_lane(uint4* w, int e, f
 template <int DT> __device__ __forceinline__ void of_set_lane_sr(uint4* w, int e, float v, unsigned r) {
   of_set_bits<DT>(w, e, of_narrow_sr<DT>(v, r));
 }
-__device__ __forceinline__ uint4 of_load16(const void* p) { return *(const uint4*)p; }
-__device__ __forceinline__ uint4 of_load16_ro(const void* p) { return __ldg((const uint4*)p); }
-__device__ __forceinline__ void of_store16(void* p, const uint4& v) { *(uint4*)p = v; }
+// OF_CACHE_HINTS (a benchmark knob, default 0): 1 streams every 16-byte load and store through the
+// caches as evict-first (ld/st.global.cs), 2 only the stores.
+__device__ __forceinline__ uint4 of_load16(const void* p) {
+#if OF_CACHE_HINTS == 1
+  return __ldcs((const uint4*)p);
+#else
+  return *(const uint4*)p;
+#endif
+}
+__device__ __forceinline__ uint4 of_load16_ro(const void* p) {
+#if OF_CACHE_HINTS == 1
+  return __ldcs((const uint4*)p);
+#else
+  return __ldg((const uint4*)p);
+#endif
+}
+__device__ __forceinline__ void of_store16(void* p, const uint4& v) {
+#if OF_CACHE_HINTS == 1 || OF_CACHE_HINTS == 2
+  __stcs((uint4*)p, v);
+#else
+  *(uint4*)p = v;
+#endif
+}
 
 // Sum over the block with a fixed shuffle tree (deterministic); the result is valid in thread 0.
 // Every thread of the block must call it.
@@ -485,6 +505,7 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS_SR\n#define OF_MIN_BLOCKS_SR 4\n#endif\n"
+    << "#ifndef OF_CACHE_HINTS\n#define OF_CACHE_HINTS 0\n#endif\n"
     << pr.common_source() << abi_source() << scalar_layout_source(L) << kCudaDriverPrelude;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);
