@@ -190,11 +190,16 @@ def run_graph(name, wl, args, cpm, row):
     opt = make_capturable(name, params)
     try:  # the same never-waits check, eager, with CUDA-tensor hyperparameters (JSON; warns)
         behind = behind_sleep(opt, wl, args, cpm)
-        row.update(tensor_hypers_behind_sleep_us=statistics.median(behind),
-                   tensor_hypers_waits=max(behind) > 0.5e3 * args.sleep_ms)
+        # This optimizer's first step builds its tables: host work that may well exceed half the
+        # sleep without waiting, so it is reported, not judged (dev/first_step_wait.py and
+        # test_building_and_destroying_an_optimizer_never_wait_for_the_gpu judge it alone vs behind).
+        first, later = behind[0], behind[1:] or behind
+        row.update(tensor_hypers_behind_sleep_us=statistics.median(later),
+                   tensor_hypers_first_step_behind_sleep_us=first,
+                   tensor_hypers_waits=max(later) > 0.5e3 * args.sleep_ms)
         if row["tensor_hypers_waits"]:
             print(f"  ! {name} with CUDA-tensor hyperparameters WAITS for the GPU: step() took "
-                  f"{max(behind) / 1e3:.1f} ms behind {args.sleep_ms:g} ms of GPU work", file=sys.stderr)
+                  f"{max(later) / 1e3:.1f} ms behind {args.sleep_ms:g} ms of GPU work", file=sys.stderr)
     except Exception as e:  # noqa: BLE001
         report(row, "sleep (tensor hypers)", name, e)
     wl.backward(0)  # a graph replays fixed addresses: the gradients must stay put

@@ -13,6 +13,7 @@ optfuse's C++ do not show there).
 them (after torch.cuda.empty_cache(), so the states need new device memory) instead of equal tensors."""
 import argparse
 import cProfile
+import gc
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ def first_step_ms(a, tensor_hypers, sleep_cycles, profile, sync_debug=False):
     t = (lambda x: torch.tensor(x, device="cuda")) if tensor_hypers else (lambda x: x)
     opt = oft.AdamW(ps, lr=t(1e-3), betas=(t(0.9), t(0.999)), eps=t(1e-8), weight_decay=t(0.01),
                     capturable=tensor_hypers)
+    gc.collect()  # the previous call's optimizer is freed here, not inside the timed step
     torch.cuda.synchronize()
     if sleep_cycles:
         torch.cuda._sleep(sleep_cycles)

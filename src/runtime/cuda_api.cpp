@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <utility>
@@ -32,7 +33,8 @@ namespace {
   X(cuDeviceGet) X(cuDeviceGetName) X(cuDeviceGetAttribute) X(cuDeviceTotalMem)                   \
   X(cuDevicePrimaryCtxRetain) X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice)             \
   X(cuModuleLoadData) X(cuModuleUnload) X(cuModuleGetFunction) X(cuFuncGetAttribute)              \
-  X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemcpyHtoDAsync)         \
+  X(cuFuncSetAttribute) X(cuLaunchKernel) X(cuMemAlloc) X(cuMemFree) X(cuMemAllocAsync)          \
+  X(cuMemFreeAsync) X(cuMemcpyHtoDAsync)                                                          \
   X(cuMemcpyDtoHAsync) X(cuMemcpyDtoDAsync) X(cuMemsetD8Async) X(cuPointerGetAttribute)           \
   X(cuStreamSynchronize) X(cuStreamCreate) X(cuStreamDestroy) X(cuStreamIsCapturing)              \
   X(cuStreamBeginCapture) X(cuStreamEndCapture) X(cuGraphInstantiate) X(cuGraphLaunch)            \
@@ -482,6 +484,19 @@ Module::Module(const std::string& cubin) {
   cu_check(r, "cuModuleLoadData");
   mod_.reset(m);
 }
+std::shared_ptr<const Module> shared_module(const std::string& cubin) {
+  ensure_context();
+  CUcontext ctx = nullptr;
+  CU(cuCtxGetCurrent, &ctx);
+  // Never destroyed: unloading at exit, after the context may be gone, would gain nothing.
+  static auto* loaded = new std::map<std::pair<CUcontext, std::string>, std::shared_ptr<const Module>>();
+  static std::mutex m;
+  std::lock_guard<std::mutex> lock(m);
+  auto key = std::make_pair(ctx, cubin);
+  auto it = loaded->find(key);
+  if (it == loaded->end()) it = loaded->emplace(std::move(key), std::make_shared<const Module>(cubin)).first;
+  return it->second;
+}
 CUfunction Module::function(const std::string& name) const {
   CUfunction f = nullptr;
   CU_CTX("kernel '" + name + "'", cuModuleGetFunction, &f, mod_.get(), name.c_str());
@@ -522,12 +537,41 @@ void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CU
     CU_CTX("after kernel launch, " + shape(), cuStreamSynchronize, stream);
 }
 
+bool stream_ordered_memory() {
+  ensure_context();
+  CUdevice dev = 0;
+  CU(cuCtxGetDevice, &dev);
+  static const bool plain = env_flag("OPTFUSE_CUDA_PLAIN_ALLOC");  // read once, as the launch flag
+  static std::map<CUdevice, bool> pools;                            // asked once per device
+  static std::mutex m;
+  std::lock_guard<std::mutex> lock(m);
+  auto it = pools.find(dev);
+  if (it == pools.end()) {
+    int supported = 0;
+    CU(cuDeviceGetAttribute, &supported, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, dev);
+    it = pools.emplace(dev, supported != 0).first;
+  }
+  return it->second && !plain;
+}
 DeviceBuffer::DeviceBuffer(size_t bytes) : size_(bytes) {
   if (bytes == 0) return;
   ensure_context();
   CU_CTX(std::to_string(bytes) + " bytes", cuMemAlloc, &ptr_, bytes);
 }
-DeviceBuffer::~DeviceBuffer() { if (ptr_) driver_state().api.cuMemFree(ptr_); }
+DeviceBuffer DeviceBuffer::ordered(size_t bytes, CUstream stream) {
+  if (bytes == 0 || !stream_ordered_memory()) return DeviceBuffer(bytes);
+  DeviceBuffer b;
+  CU_CTX(std::to_string(bytes) + " bytes", cuMemAllocAsync, &b.ptr_, bytes, stream);
+  b.size_ = bytes;
+  b.stream_ = stream;
+  b.ordered_ = true;
+  return b;
+}
+DeviceBuffer::~DeviceBuffer() {
+  if (!ptr_) return;
+  if (ordered_) driver_state().api.cuMemFreeAsync(ptr_, stream_);
+  else driver_state().api.cuMemFree(ptr_);
+}
 void copy_to_device(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
   if (bytes == 0) return;
   ensure_context();

@@ -95,6 +95,12 @@ class Module {
   std::unique_ptr<std::remove_pointer_t<CUmodule>, detail::ModuleUnload> mod_;
 };
 
+// The module of `cubin` in the current context, loaded once and kept for the process's lifetime:
+// a new optimizer whose kernels another one already loaded loads nothing, and destroying an
+// optimizer unloads nothing (kernels it queued may still run, and cuModuleUnload would have to
+// wait for them). Distinct cubins are few: one per chain structure and storage-variant set.
+std::shared_ptr<const Module> shared_module(const std::string& cubin);
+
 // 1-D launch of f with args (array of pointers to each argument, as cuLaunchKernel wants). Checks
 // grid/block are non-zero, opts in to more than 48 KiB of dynamic shared memory when asked for, and
 // checks the launch's return code. With OPTFUSE_CUDA_LAUNCH_BLOCKING=1 it also synchronises the
@@ -102,12 +108,20 @@ class Module {
 void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CUstream stream,
             void** args);
 
-// Device memory (cuMemAlloc); freed on destruction. Movable, not copyable. A zero-byte buffer holds
-// no allocation (ptr() == 0).
+// Device memory, freed on destruction. Movable, not copyable. A zero-byte buffer holds no
+// allocation (ptr() == 0). DeviceBuffer(bytes): cuMemAlloc / cuMemFree, usable on any stream.
+// DeviceBuffer::ordered(bytes, stream): where the device has memory pools (stream_ordered_memory()),
+// the allocation and the free are stream-ordered (cuMemAllocAsync / cuMemFreeAsync): neither makes
+// the host wait, whereas cuMemFree waits for all work queued on the device, so a rebuild, a retired
+// table or a destroyed optimizer would stall a training loop whose GPU is busy. Such a buffer is
+// used on its stream (or on streams ordered after it), and its free is queued on the stream set by
+// free_on (the one of its last use), after everything queued there before it. Without memory pools
+// (or with OPTFUSE_CUDA_PLAIN_ALLOC=1) it is a plain buffer.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t bytes);
+  static DeviceBuffer ordered(size_t bytes, CUstream stream);
   ~DeviceBuffer();
   DeviceBuffer(DeviceBuffer&& o) noexcept { swap(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
@@ -120,15 +134,23 @@ class DeviceBuffer {
 
   CUdeviceptr ptr() const { return ptr_; }
   size_t size() const { return size_; }
+  void free_on(CUstream stream) { stream_ = stream; }
 
  private:
   void swap(DeviceBuffer& o) noexcept {
     std::swap(ptr_, o.ptr_);
     std::swap(size_, o.size_);
+    std::swap(stream_, o.stream_);
+    std::swap(ordered_, o.ordered_);
   }
   CUdeviceptr ptr_ = 0;
   size_t size_ = 0;
+  CUstream stream_ = nullptr;  // the free is queued here (stream-ordered buffers)
+  bool ordered_ = false;       // allocated by cuMemAllocAsync
 };
+
+// Whether the current device allocates stream-ordered (memory pools; not OPTFUSE_CUDA_PLAIN_ALLOC=1).
+bool stream_ordered_memory();
 
 // Host -> device, ordered on `stream`. Returns once `src` may be reused or freed: for pageable host
 // memory the driver has staged it by then; for page-locked memory this call synchronises the stream.

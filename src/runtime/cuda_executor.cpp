@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <sstream>
 
 #include "codegen/cuda_source.h"
@@ -59,8 +60,77 @@ int resident_blocks(int regs, int threads, int arch) {
 // graph reads its slot at every replay, so that slot belongs to the executor for good; it is a
 // spare made beforehand, because events cannot be queried (nor, safely, memory pinned) while a
 // stream is being captured.
+// Page-locked memory is never freed while the process runs: cuMemFreeHost waits for all work
+// queued on the device (measured on the H200: a new optimizer's set_tensors and destroying one
+// waited for 300 ms of queued work, docs/performance.md). A slot too small for an upload is kept
+// and a bigger one made; an Uploader that is destroyed hands its slots, with their events, to a
+// process-wide pool (SlotPool) that new Uploaders draw from, and the buffers captured graphs read
+// are kept for good.
+struct UploadSlot {
+  cuda::PinnedBuffer buf;
+  std::unique_ptr<cuda::Event> done;  // made at the first copy (a destructor may hand back bare buffers)
+  bool in_flight = false;
+  bool free() const { return !in_flight || done->done(); }
+  void record(CUstream stream) {
+    if (!done) done = std::make_unique<cuda::Event>();
+    done->record(stream);
+    in_flight = true;
+  }
+};
+
+class SlotPool {
+ public:
+  static SlotPool& instance() {
+    static auto* pool = new SlotPool();  // never destroyed (see above)
+    return *pool;
+  }
+  void give(std::unique_ptr<UploadSlot> slot) {
+    std::lock_guard<std::mutex> lock(m_);
+    slots_.push_back(std::move(slot));
+  }
+  void give(cuda::PinnedBuffer&& buf) {
+    if (buf.size() == 0) return;
+    auto slot = std::make_unique<UploadSlot>();
+    slot->buf = std::move(buf);
+    give(std::move(slot));
+  }
+  // A free slot of at least `bytes` (the smallest such), or null.
+  std::unique_ptr<UploadSlot> take(size_t bytes) {
+    std::lock_guard<std::mutex> lock(m_);
+    size_t best = slots_.size();
+    for (size_t k = 0; k < slots_.size(); ++k)
+      if (slots_[k]->buf.size() >= bytes && (best == slots_.size() || slots_[k]->buf.size() < slots_[best]->buf.size()) &&
+          slots_[k]->free())
+        best = k;
+    if (best == slots_.size()) return nullptr;
+    std::unique_ptr<UploadSlot> slot = std::move(slots_[best]);
+    slots_.erase(slots_.begin() + static_cast<std::ptrdiff_t>(best));
+    slot->in_flight = false;
+    return slot;
+  }
+  void keep_forever(std::vector<cuda::PinnedBuffer>&& bufs) {
+    std::lock_guard<std::mutex> lock(m_);
+    for (cuda::PinnedBuffer& b : bufs) kept_.push_back(std::move(b));
+  }
+
+ private:
+  std::mutex m_;
+  std::vector<std::unique_ptr<UploadSlot>> slots_;
+  std::vector<cuda::PinnedBuffer> kept_;  // read by captured graphs that may still be replayed
+};
+
 class Uploader {
  public:
+  Uploader() = default;
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+  ~Uploader() {
+    SlotPool& pool = SlotPool::instance();
+    for (std::unique_ptr<UploadSlot>& s : slots_) pool.give(std::move(s));
+    pool.give(std::move(spare_));
+    pool.keep_forever(std::move(graph_owned_));
+  }
+
   void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
     upload(dst, src, bytes, stream, cuda::stream_is_capturing(stream));
   }
@@ -68,46 +138,51 @@ class Uploader {
   void upload(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream, bool capturing) {
     if (bytes == 0) return;
     if (capturing) return upload_captured(dst, src, bytes, stream);
-    if (spare_.size() < spare_bytes_) spare_ = cuda::PinnedBuffer(spare_bytes_);
-    Slot& slot = free_slot(bytes);
+    make_spare();
+    UploadSlot& slot = free_slot(bytes);
     std::memcpy(slot.buf.data(), src, bytes);
     cuda::copy_pinned_to_device_async(dst, slot.buf.data(), bytes, stream);
-    slot.done.record(stream);
-    slot.in_flight = true;
+    slot.record(stream);
   }
   // Makes sure a captured upload of up to `bytes` finds its spare ready.
   void reserve_spare(size_t bytes) {
     spare_bytes_ = std::max(spare_bytes_, bytes);
-    if (spare_.size() < spare_bytes_) spare_ = cuda::PinnedBuffer(spare_bytes_);
+    make_spare();
   }
 
  private:
   static constexpr size_t kMaxSlots = 64;
-  struct Slot {
-    cuda::PinnedBuffer buf;
-    cuda::Event done;
-    bool in_flight = false;
-  };
-  Slot& free_slot(size_t bytes) {
+  void make_spare() {
+    if (spare_.size() >= spare_bytes_) return;
+    SlotPool::instance().give(std::move(spare_));  // (never freed: see above)
+    spare_ = cuda::PinnedBuffer(spare_bytes_);
+  }
+  UploadSlot& free_slot(size_t bytes) {
     for (size_t k = 0; k < slots_.size(); ++k) {
-      Slot& s = *slots_[(next_ + k) % slots_.size()];
-      if (s.in_flight && !s.done.done()) continue;
+      UploadSlot& s = *slots_[(next_ + k) % slots_.size()];
+      if (s.buf.size() < bytes || !s.free()) continue;
       s.in_flight = false;
-      if (s.buf.size() < bytes) s.buf = cuda::PinnedBuffer(std::max<size_t>(bytes, 2 * s.buf.size()));
       next_ = (next_ + k + 1) % slots_.size();
       return s;
     }
-    if (slots_.size() < kMaxSlots) {
-      slots_.push_back(std::make_unique<Slot>());
-      slots_.back()->buf = cuda::PinnedBuffer(std::max<size_t>(bytes, 4096));
-      return *slots_.back();
+    std::unique_ptr<UploadSlot> slot = SlotPool::instance().take(bytes);
+    if (!slot && slots_.size() >= kMaxSlots) {  // every slot is in flight or too small: the host is
+      UploadSlot& oldest = *slots_[next_];     // far ahead; wait for the oldest, and let it grow
+      if (oldest.in_flight) oldest.done->wait();
+      oldest.in_flight = false;
+      next_ = (next_ + 1) % slots_.size();
+      if (oldest.buf.size() < bytes) {
+        SlotPool::instance().give(std::move(oldest.buf));
+        oldest.buf = cuda::PinnedBuffer(bytes);
+      }
+      return oldest;
     }
-    Slot& oldest = *slots_[next_];  // every slot is in flight: the host is far ahead; wait for one
-    oldest.done.wait();
-    oldest.in_flight = false;
-    if (oldest.buf.size() < bytes) oldest.buf = cuda::PinnedBuffer(bytes);
-    next_ = (next_ + 1) % slots_.size();
-    return oldest;
+    if (!slot) {
+      slot = std::make_unique<UploadSlot>();
+      slot->buf = cuda::PinnedBuffer(std::max<size_t>(bytes, 4096));
+    }
+    slots_.push_back(std::move(slot));
+    return *slots_.back();
   }
   void upload_captured(CUdeviceptr dst, const void* src, size_t bytes, CUstream stream) {
     cuda::PinnedBuffer buf = spare_.size() >= bytes ? std::move(spare_) : cuda::PinnedBuffer(bytes);
@@ -117,7 +192,7 @@ class Uploader {
     graph_owned_.push_back(std::move(buf));
     spare_bytes_ = std::max(spare_bytes_, bytes);  // the next capture finds one again
   }
-  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<std::unique_ptr<UploadSlot>> slots_;
   size_t next_ = 0;
   cuda::PinnedBuffer spare_;
   size_t spare_bytes_ = 0;
@@ -132,13 +207,23 @@ class CudaExecutor : public Executor {
     device_ = cuda::current_device();
     compile();
     // One completion counter per phase (the last block resets its own), zeroed once.
-    counters_ = cuda::DeviceBuffer(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned));
+    counters_ = cuda::DeviceBuffer::ordered(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned), stream_);
     cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
+  }
+  // Every buffer's free is queued on the stream of the last step (stream-ordered memory, see
+  // cuda::DeviceBuffer): destroying an optimizer neither waits for its queued steps nor frees
+  // memory they still read.
+  ~CudaExecutor() override {
+    for (cuda::DeviceBuffer* b : {&table_, &sources_, &tensor_table_, &chunks_, &partials_, &tensor_reductions_,
+                                  &counters_, &global_partials_, &global_spans_})
+      b->free_on(stream_);
+    for (cuda::DeviceBuffer& b : graph_tables_) b.free_on(stream_);
+    for (auto& r : retired_) r.first.free_on(stream_);
   }
 
   // Generates and compiles the kernels for variants_ (NVRTC; cached on disk by content) and loads
-  // them. A module replaced by a recompile stays loaded for the executor's lifetime: kernels
-  // queued from it may still be running.
+  // them (once per process: cuda::shared_module, so a module replaced by a recompile stays loaded
+  // while kernels queued from it may still run).
   void compile() {
     std::vector<std::string> options = {"--fmad=false"};  // round every op as written: match the CPU
     // Tuning knob for benchmarks: extra -D options (e.g. "-DOF_ELEMS_PER_PASS=16 -DOF_MIN_BLOCKS=1").
@@ -153,7 +238,7 @@ class CudaExecutor : public Executor {
     }
     std::string source = generate_cuda_source(plan_, variants_);
     cuda::CompileResult r = cuda::compile(source, "optfuse", device_.arch(), options);
-    auto module = std::make_unique<cuda::Module>(r.cubin);
+    std::shared_ptr<const cuda::Module> module = cuda::shared_module(r.cubin);
     std::vector<CUfunction> fns;
     std::vector<int> regs, static_shared;
     std::vector<CUfunction> combine_fns;
@@ -165,7 +250,6 @@ class CudaExecutor : public Executor {
       regs.push_back(res.registers);
       static_shared.push_back(res.shared_bytes);
     }
-    if (module_) old_modules_.push_back(std::move(module_));
     module_ = std::move(module);
     fns_ = std::move(fns);
     combine_fns_ = std::move(combine_fns);
@@ -196,7 +280,7 @@ class CudaExecutor : public Executor {
       for (int u = 0; u < S; ++u)
         fresh[static_cast<size_t>(L.uniform_states_offset(groups) + g * S + u)] =
             plan_.program.uniform_states[static_cast<size_t>(u)].init;
-    cuda::DeviceBuffer table(fresh.size() * sizeof(double));
+    cuda::DeviceBuffer table = cuda::DeviceBuffer::ordered(fresh.size() * sizeof(double), stream_);
     uploads_.upload(table.ptr(), fresh.data(), fresh.size() * sizeof(double), stream_);
     if (groups_ > 0) {  // keep the step counts and uniform states of groups that stay (they live on the device)
       const size_t kept = static_cast<size_t>(std::min(groups, groups_));
@@ -210,7 +294,7 @@ class CudaExecutor : public Executor {
     retire(std::move(table_));
     table_ = std::move(table);
     retire(std::move(sources_));
-    sources_ = cuda::DeviceBuffer(static_cast<size_t>(groups) * static_cast<size_t>(L.hypers_per_group) * sizeof(HyperSource));
+    sources_ = cuda::DeviceBuffer::ordered(static_cast<size_t>(groups) * static_cast<size_t>(L.hypers_per_group) * sizeof(HyperSource), stream_);
     groups_ = groups;
     shared_bytes_ = shared;
     compute_grid();
@@ -272,9 +356,11 @@ class CudaExecutor : public Executor {
     const std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
     ranges_ = chunk_ranges(tensors.size(), chunks);
     words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
-    cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t)), chunk_buf(chunks.size() * sizeof(Chunk));
-    cuda::DeviceBuffer partials(plan_.reductions.size() * chunks.size() * sizeof(double));
-    cuda::DeviceBuffer tensor_reductions(tensors.size() * static_cast<size_t>(plan_.layout.tensor_reductions) * sizeof(double));
+    cuda::DeviceBuffer table = cuda::DeviceBuffer::ordered(words_.size() * sizeof(uint64_t), stream_);
+    cuda::DeviceBuffer chunk_buf = cuda::DeviceBuffer::ordered(chunks.size() * sizeof(Chunk), stream_);
+    cuda::DeviceBuffer partials = cuda::DeviceBuffer::ordered(plan_.reductions.size() * chunks.size() * sizeof(double), stream_);
+    cuda::DeviceBuffer tensor_reductions =
+        cuda::DeviceBuffer::ordered(tensors.size() * static_cast<size_t>(plan_.layout.tensor_reductions) * sizeof(double), stream_);
     uploads_.upload(table.ptr(), words_.data(), words_.size() * sizeof(uint64_t), stream_);
     uploads_.upload(chunk_buf.ptr(), chunks.data(), chunks.size() * sizeof(Chunk), stream_);
     if (partials.size()) cuda::memset_zero(partials.ptr(), partials.size(), stream_);
@@ -303,13 +389,13 @@ class CudaExecutor : public Executor {
     retire(std::move(global_partials_));
     retire(std::move(global_spans_));
     if (!exchange_fn_) return;
-    global_partials_ = cuda::DeviceBuffer(std::max<size_t>(1, plan_.reductions.size() * static_cast<size_t>(global_chunks_)) * sizeof(double));
+    global_partials_ = cuda::DeviceBuffer::ordered(std::max<size_t>(1, plan_.reductions.size() * static_cast<size_t>(global_chunks_)) * sizeof(double), stream_);
     std::vector<int32_t> spans;
     for (const ChunkSpan& sp : map.tensors) {
       spans.push_back(static_cast<int32_t>(sp.first));
       spans.push_back(static_cast<int32_t>(sp.count));
     }
-    global_spans_ = cuda::DeviceBuffer(std::max<size_t>(1, spans.size()) * sizeof(int32_t));
+    global_spans_ = cuda::DeviceBuffer::ordered(std::max<size_t>(1, spans.size()) * sizeof(int32_t), stream_);
     if (!spans.empty()) uploads_.upload(global_spans_.ptr(), spans.data(), spans.size() * sizeof(int32_t), stream_);
     cuda::memset_zero(global_partials_.ptr(), global_partials_.size(), stream_);
   }
@@ -333,7 +419,7 @@ class CudaExecutor : public Executor {
       if (table_captured_) {
         // A captured graph reads this table's rows at every replay: they stay as captured, and
         // eager steps go on with a new table.
-        cuda::DeviceBuffer table(words_.size() * sizeof(uint64_t));
+        cuda::DeviceBuffer table = cuda::DeviceBuffer::ordered(words_.size() * sizeof(uint64_t), stream_);
         graph_tables_.push_back(std::move(tensor_table_));
         tensor_table_ = std::move(table);
         table_captured_ = false;
@@ -439,6 +525,7 @@ class CudaExecutor : public Executor {
   // A buffer still read by queued work: freed once that work has run.
   void retire(cuda::DeviceBuffer&& b) {
     if (b.size() == 0) return;
+    b.free_on(stream_);
     retired_.push_back({std::move(b), std::make_unique<cuda::Event>()});
     retired_.back().second->record(stream_);
   }
@@ -470,8 +557,7 @@ class CudaExecutor : public Executor {
   int threads_ = 0;
   std::vector<StorageVariant> variants_;   // compiled, in OfTensor::variant order
   std::vector<int> variant_index_;         // per tensor
-  std::unique_ptr<cuda::Module> module_;
-  std::vector<std::unique_ptr<cuda::Module>> old_modules_;  // replaced by a recompile (see compile())
+  std::shared_ptr<const cuda::Module> module_;  // kept loaded for the process (cuda::shared_module)
   std::vector<CUfunction> fns_;
   std::vector<CUfunction> combine_fns_;    // per phase: of_combine<i> for reduce phases, else null
   std::vector<int> regs_, static_shared_;  // per phase

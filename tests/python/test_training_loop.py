@@ -601,6 +601,47 @@ def test_step_never_waits_for_the_gpu(variant):
         assert host < 0.1 * slept, f"step() waited for the GPU ({report})"
 
 
+@requires_cuda
+@pytest.mark.parametrize("event", ["first_step", "rebuild", "destroy"])
+def test_building_and_destroying_an_optimizer_never_wait_for_the_gpu(event):
+    """The first step of a new optimizer (its tables built and uploaded), a step that rebuilds them
+    (a parameter group added: the old tables are retired) and destroying an optimizer (its device
+    buffers freed) queue their work behind the GPU's instead of waiting for it. cuMemFree waits
+    for all queued work; buffers are freed stream-ordered instead (cuda::DeviceBuffer). Many
+    tensors, so that the tables are large."""
+    import gc
+    params = [torch.nn.Parameter(torch.randn(4096, device=CUDA)) for _ in range(600)]
+    extra = [torch.nn.Parameter(torch.randn(4096, device=CUDA))]
+    for p in params + extra:
+        p.grad = torch.randn_like(p)
+    warm = oft.AdamW(params, lr=1e-3)  # compiles and loads the kernels
+    warm.step()
+    opt = oft.AdamW(params, lr=1e-3)
+    if event != "first_step":
+        opt.step()
+    if event == "rebuild":
+        opt.add_param_group({"params": extra})
+    cycles = _sleep_cycles(QUEUED_MS)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    torch.cuda._sleep(cycles)
+    b.record()
+    t0 = time.perf_counter()
+    if event == "destroy":
+        del opt
+        gc.collect()
+    else:
+        opt.step()
+    t1 = time.perf_counter()
+    busy = not b.query()  # the sleep still running: the measurement means something
+    torch.cuda.synchronize()
+    host, slept = (t1 - t0) * 1e3, a.elapsed_time(b)
+    report = f"{event}: {host:.1f} ms on the host behind {slept:.1f} ms of GPU work"
+    assert slept > 0.4 * QUEUED_MS and busy, f"the queued sleep was too short to tell anything: {report}"
+    assert host < 0.5 * slept, f"waited for the GPU: {report}"
+
+
 # --- 7. the state dict after the loop ------------------------------------------------------------------
 # test_torch_features.py round-trips the state dict both ways after 5 plain steps. Here: after the
 # 30-step loop with a tensor lr moved by a scheduler and parameters that missed gradients (so the
