@@ -559,7 +559,8 @@ DeviceBuffer::DeviceBuffer(size_t bytes) : size_(bytes) {
   CU_CTX(std::to_string(bytes) + " bytes", cuMemAlloc, &ptr_, bytes);
 }
 DeviceBuffer DeviceBuffer::ordered(size_t bytes, CUstream stream) {
-  if (bytes == 0 || !stream_ordered_memory()) return DeviceBuffer(bytes);
+  // (On a stream being captured a stream-ordered allocation would become the graph's own memory.)
+  if (bytes == 0 || !stream_ordered_memory() || capturing(stream)) return DeviceBuffer(bytes);
   DeviceBuffer b;
   CU_CTX(std::to_string(bytes) + " bytes", cuMemAllocAsync, &b.ptr_, bytes, stream);
   b.size_ = bytes;

@@ -115,8 +115,8 @@ void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CU
 // the host wait, whereas cuMemFree waits for all work queued on the device, so a rebuild, a retired
 // table or a destroyed optimizer would stall a training loop whose GPU is busy. Such a buffer is
 // used on its stream (or on streams ordered after it), and its free is queued on the stream set by
-// free_on (the one of its last use), after everything queued there before it. Without memory pools
-// (or with OPTFUSE_CUDA_PLAIN_ALLOC=1) it is a plain buffer.
+// free_on (the one of its last use), after everything queued there before it. Without memory pools,
+// on a stream being captured, or with OPTFUSE_CUDA_PLAIN_ALLOC=1, it is a plain buffer.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;

@@ -116,7 +116,7 @@ class SlotPool {
  private:
   std::mutex m_;
   std::vector<std::unique_ptr<UploadSlot>> slots_;
-  std::vector<cuda::PinnedBuffer> kept_;  // read by captured graphs that may still be replayed
+  std::vector<cuda::PinnedBuffer> kept_;  // read by captured graphs (never reused), and never freed
 };
 
 class Uploader {
