@@ -9,6 +9,7 @@ Every comparison is against torch.optim's for-loop implementation (foreach=False
 the same model, measured as in test_torch_parity.py: max|p_ours - p_torch| / max|p_torch|.
 """
 import copy
+import sys
 import time
 import warnings
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import optfuse
 import optfuse.torch as oft
 from conftest import HAS_CUDA, NO_CUDA_REASON, batch, loss_of, make_model, rel_diff, twin
 
@@ -629,8 +631,6 @@ def test_building_and_destroying_an_optimizer_never_wait_for_the_gpu(event):
     for all queued work: device buffers are stream-ordered and page-locked slots never freed, see
     cuda_executor.cpp.) Many tensors, so that the tables are large. Destroying is measured on the
     core optimizer, whose destructor runs when its last reference goes (no cycles)."""
-    import sys
-    import optfuse
     params = [torch.nn.Parameter(torch.randn(4096, device=CUDA)) for _ in range(600)]
     extra = [torch.nn.Parameter(torch.randn(4096, device=CUDA))]
     for p in params + extra:
@@ -641,9 +641,10 @@ def test_building_and_destroying_an_optimizer_never_wait_for_the_gpu(event):
     def prepare():
         if event == "destroy":
             core = optfuse.Optimizer("adamw(lr=1e-3)", "cuda")
-            core.set_tensors([(p.detach(), p.grad, [torch.zeros_like(p), torch.zeros_like(p)], 0) for p in params])
+            tensors = [(p.detach(), p.grad, [torch.zeros_like(p), torch.zeros_like(p)], 0) for p in params]
+            core.set_tensors(tensors)
             core.step()
-            return [core]
+            return [core, tensors]  # (the states live as long as the optimizer)
         opt = oft.AdamW(params, lr=1e-3)
         if event == "rebuild":
             opt.step()
@@ -653,7 +654,7 @@ def test_building_and_destroying_an_optimizer_never_wait_for_the_gpu(event):
     def act(holder):
         if event == "destroy":
             assert sys.getrefcount(holder[0]) == 2, "something else holds the optimizer: it would not die here"
-            holder.clear()  # the last reference: the destructor runs now
+            holder.clear()  # the last reference: the destructor runs now (then the states go)
         else:
             holder[0].step()
 
