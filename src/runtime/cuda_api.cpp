@@ -537,7 +537,8 @@ void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CU
     CU_CTX("after kernel launch, " + shape(), cuStreamSynchronize, stream);
 }
 
-bool stream_ordered_memory() {
+// Whether the current device allocates stream-ordered (memory pools; not OPTFUSE_CUDA_PLAIN_ALLOC=1).
+static bool stream_ordered_memory() {
   ensure_context();
   CUdevice dev = 0;
   CU(cuCtxGetDevice, &dev);

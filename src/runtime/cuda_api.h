@@ -110,7 +110,7 @@ void launch(CUfunction f, unsigned grid, unsigned block, size_t shared_bytes, CU
 
 // Device memory, freed on destruction. Movable, not copyable. A zero-byte buffer holds no
 // allocation (ptr() == 0). DeviceBuffer(bytes): cuMemAlloc / cuMemFree, usable on any stream.
-// DeviceBuffer::ordered(bytes, stream): where the device has memory pools (stream_ordered_memory()),
+// DeviceBuffer::ordered(bytes, stream): where the device has memory pools,
 // the allocation and the free are stream-ordered (cuMemAllocAsync / cuMemFreeAsync): neither makes
 // the host wait, whereas cuMemFree waits for all work queued on the device, so a rebuild, a retired
 // table or a destroyed optimizer would stall a training loop whose GPU is busy. Such a buffer is
@@ -148,9 +148,6 @@ class DeviceBuffer {
   CUstream stream_ = nullptr;  // the free is queued here (stream-ordered buffers)
   bool ordered_ = false;       // allocated by cuMemAllocAsync
 };
-
-// Whether the current device allocates stream-ordered (memory pools; not OPTFUSE_CUDA_PLAIN_ALLOC=1).
-bool stream_ordered_memory();
 
 // Host -> device, ordered on `stream`. Returns once `src` may be reused or freed: for pageable host
 // memory the driver has staged it by then; for page-locked memory this call synchronises the stream.

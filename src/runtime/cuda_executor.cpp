@@ -121,9 +121,6 @@ class SlotPool {
 
 class Uploader {
  public:
-  Uploader() = default;
-  Uploader(const Uploader&) = delete;
-  Uploader& operator=(const Uploader&) = delete;
   ~Uploader() {
     SlotPool& pool = SlotPool::instance();
     for (std::unique_ptr<UploadSlot>& s : slots_) pool.give(std::move(s));
@@ -212,7 +209,7 @@ class CudaExecutor : public Executor {
   }
   // Every buffer's free is queued on the stream of the last step (stream-ordered memory, see
   // cuda::DeviceBuffer): destroying an optimizer neither waits for its queued steps nor frees
-  // memory they still read.
+  // memory they still read. (A new DeviceBuffer member belongs in this list.)
   ~CudaExecutor() override {
     for (cuda::DeviceBuffer* b : {&table_, &sources_, &tensor_table_, &chunks_, &partials_, &tensor_reductions_,
                                   &counters_, &global_partials_, &global_spans_})
