@@ -36,6 +36,11 @@
 //                                                    (schedulefree's AdamWScheduleFree step in train mode; states z
 //                                                    (starts as the parameter), exp_avg_sq; hyperparameters set per
 //                                                    step: ckp1=-1 (1/t), group_step=0 (the step count))
+//   scale_by_adafactor      lr=1e-2 beta2_decay=-0.8 eps1=1.1920928955078125e-07 eps2=1e-3 d=1
+//                                                    (torch's Adafactor step with rho, alpha and clipping; states
+//                                                    row_var (per row) and col_var (per column) of each
+//                                                    parameter's matrix view, TensorRef::cols; a parameter
+//                                                    without a view keeps one value per element in row_var)
 //   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
 //   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
 //   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
@@ -56,6 +61,8 @@
 //            (apple/ml-ademamix's AdEMAMix: p -= lr * (update + weight_decay * p); b1=, b2=, b3= also accepted)
 //   adamw_schedule_free lr=0.0025 betas=(0.9,0.999) eps=1e-8 weight_decay=0 warmup_steps=0
 //            (schedulefree.AdamWScheduleFree; its r and weight_lr_power live in the averaging weight ckp1)
+//   adafactor lr=1e-2 beta2_decay=-0.8 eps=(1.1920928955078125e-07,1e-3) d=1 weight_decay=0 maximize=false
+//            (torch.optim.Adafactor; eps[0]: torch's None is the parameters' machine epsilon)
 //   lars     lr=1.0 momentum=0 dampening=0 weight_decay=0 nesterov=false trust_coeff=0.001 eps=1e-8
 //            trust_clip=false always_adapt=false (timm.optim.Lars)
 #pragma once
@@ -106,6 +113,7 @@ inline Chain adadelta(const Args& a = {}) { return make_builtin("adadelta", a); 
 inline Chain rprop(const Args& a = {}) { return make_builtin("rprop", a); }
 inline Chain asgd(const Args& a = {}) { return make_builtin("asgd", a); }
 inline Chain ademamix(const Args& a = {}) { return make_builtin("ademamix", a); }
+inline Chain adafactor(const Args& a = {}) { return make_builtin("adafactor", a); }
 inline Chain adamw_schedule_free(const Args& a = {}) { return make_builtin("adamw_schedule_free", a); }
 inline Chain clip_by_global_norm(double max_norm) { return make_builtin("clip_by_global_norm", {{"max_norm", max_norm}}); }
 

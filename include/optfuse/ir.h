@@ -30,13 +30,20 @@
 //   definitions in src/ir/low_precision_code.h): MasterFromRemainder: the float32 master whose
 //   bfloat16 parameter is x and int16 remainder y; RemainderOfMaster: x's remainder (an integer in
 //   [-32768, 32767]); ParamOfMaster: x's bfloat16 parameter (nearest, ties away from zero)
+//   Shape      a number of the element's tensor (a *tensor* value): index 0 numel, 1 rows, 2 columns of
+//              its matrix view, 3 whether it has one (TensorRef::cols; a tensor without one is a
+//              column: numel rows of 1 column)
 //   SumSquares: sum of x*x over the elements of its scope (float64 accumulation, fixed order:
 //               deterministic). Input element.
+//   Sum: sum of x over its scope (float64, fixed order). Input element, or a row or column value
+//        (summed over the tensor's rows or columns).
 //   AnyNonFinite: 1 if any element of x in its scope is inf or NaN, else 0. Input element.
 // A reduction's `index` is its Scope: Global (every element of every tensor in the step; the result
-// is uniform, one value per step) or Tensor (the elements of one tensor; the result is one value per
-// tensor, a *tensor* value). A reduction's result is only known after a full pass over memory: a
-// phase boundary (plan.h).
+// is uniform, one value per step), Tensor (the elements of one tensor; the result is one value per
+// tensor, a *tensor* value), Row or Col (the elements of one row or one column of the tensor's
+// matrix view: a *row* or *column* value, Adafactor's factored second moments). A reduction of
+// element values is only known after a full pass over memory: a phase boundary (plan.h). A Sum of
+// row or column values over a Tensor needs no pass: it is taken when those values are.
 #pragma once
 #include <array>
 #include <cstdint>
@@ -48,12 +55,12 @@
 namespace optfuse {
 
 enum class Op : uint8_t {
-  Const, Param, Grad, State, Hyper, Step, Global, UniformState,
+  Const, Param, Grad, State, Hyper, Step, Global, UniformState, Shape,
   Neg, Abs, Sign, Sqrt, Rsqrt, Exp, Log, Not, IsFinite, RoundBF16, RoundF16,
   Add, Sub, Mul, Div, Pow, Min, Max, Lt, Le, Gt, Ge, Eq, Ne, And, Or,
   Select, Lerp, Fma,
   MasterFromRemainder, RemainderOfMaster, ParamOfMaster,
-  SumSquares, AnyNonFinite,
+  SumSquares, AnyNonFinite, Sum,
 };
 
 const char* op_name(Op op);
@@ -63,7 +70,9 @@ bool op_is_reduction(Op op);
 bool op_is_commutative(Op op);
 
 // The elements a reduction runs over (its node's `index`).
-enum class Scope : int32_t { Global = 0, Tensor = 1 };
+enum class Scope : int32_t { Global = 0, Tensor = 1, Row = 2, Col = 3 };
+// Shape's index.
+enum class ShapeItem : int32_t { Numel = 0, Rows = 1, Cols = 2, IsMatrix = 3 };
 const char* scope_name(Scope scope);
 
 using NodeId = int32_t;
@@ -164,7 +173,13 @@ Expr any_nonfinite(Expr x);
 // Per-tensor reductions: one value per tensor (LAMB's and LARS's norms).
 Expr tensor_sum_of_squares(Expr x);
 Expr tensor_any_nonfinite(Expr x);
+Expr tensor_sum(Expr x);
+// Per row and per column of the tensor's matrix view (Adafactor's factored second moments).
+Expr row_sum_of_squares(Expr x);
+Expr col_sum_of_squares(Expr x);
 Expr reduce(Op op, Expr x, Scope scope);
+// The tensor's element count, rows, columns and whether it has a matrix view (Op::Shape).
+Expr tensor_shape(Graph& g, ShapeItem item);
 
 // Evaluates one non-leaf, non-reduction op on already-evaluated inputs, in precision T (double for
 // uniform values and the reference evaluator, float for element values). The single definition of

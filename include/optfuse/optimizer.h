@@ -41,7 +41,8 @@ struct Buffer {
   bool stochastic_rounding = false;
 };
 
-// One parameter: its gradient and its state slots in the plan's order, all of one size. Each role
+// One parameter: its gradient and its state slots in the plan's order, all of one size (a Rows or
+// Cols state: one value per row or column of the parameter's matrix view). Each role
 // has its own dtype (float32, float16 or bfloat16; a fixed-dtype state of the plan's precision
 // options has that one); the kernels are specialised on the combination, math is float32.
 struct TensorRef {
@@ -54,6 +55,10 @@ struct TensorRef {
   // a seed into it); equal keys and offsets mean equal random bits.
   uint64_t rng_key = 0;
   int64_t rng_offset = 0;
+  // The tensor's matrix view, for plans with row or column values (Adafactor): the number of
+  // columns (a row-major tensor's last dimension), dividing numel. 0: no view; the tensor is then
+  // one column of numel rows (a vector's rows are its elements).
+  int64_t cols = 0;
 };
 
 struct StepInputs {

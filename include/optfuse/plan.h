@@ -21,6 +21,18 @@
 // the per-chunk partials in chunk order. Tensor values are evaluated where they are used: at the
 // start of every chunk, from the group's derived row and the tensor's reductions (a few float64
 // operations per chunk), and handed to element code after the derived values: u = [derived | tensor].
+//
+// Matrix plans (Adafactor): a tensor may be viewed as a matrix (TensorRef::cols). *Row* and *column*
+// values are one per row / column of it: Rows / Cols state slots, row / column reductions of element
+// values (level + 1, like any reduction of element values) and float32 math on them and on uniform
+// and tensor values. A row and a column value meeting make an element value. Before each pass, the
+// schedule's Values step evaluates every row and column value of the levels that pass may read into
+// the row and column value tables (the reductions they read are complete: a row lies in one chunk,
+// whose pass writes its sums; a column's per-chunk partials are combined in chunk order), and takes
+// the per-tensor sums of row or column values (Sum over a Tensor, no pass of their own). Element
+// code reads them after the tensor values: u = [derived | tensor | row | column]. Rows and Cols
+// states are written by the Commit step after the update pass, from the value tables, where the
+// step is not skipped. Chunks of a matrix plan hold whole rows.
 #pragma once
 #include <map>
 #include <string>
@@ -32,7 +44,8 @@
 
 namespace optfuse {
 
-enum class ValueKind : uint8_t { Uniform, Tensor, Element };
+enum class ValueKind : uint8_t { Uniform, Tensor, Row, Col, Element };
+const char* value_kind_name(ValueKind k);
 
 struct ElementPhase {
   enum class Kind { Reduce, Update } kind = Kind::Update;
@@ -54,6 +67,9 @@ struct ScalarLayout {
   int uniform_states_per_group = 0;  // uniform states (Program::uniform_states), committed like steps
   int tensor_reductions = 0;  // per tensor, in the tensor_reductions table
   int tensor_values = 0;      // tensor values element code reads (u after the derived values)
+  // Matrix plans: per row of every tensor, its row reductions and row values; per column, its column
+  // reductions (and per chunk, their partials) and column values (u after the tensor values).
+  int row_reductions = 0, col_reductions = 0, row_values = 0, col_values = 0;
   int globals_offset() const { return 0; }
   int reductions_offset() const { return kNumGlobals; }
   int hypers_offset() const { return kNumGlobals + reductions; }
@@ -72,6 +88,8 @@ struct Plan {
   std::vector<NodeId> reductions;       // reduction (partials slot) -> node, every scope
   std::vector<int> reduction_area_slot; // reduction -> its slot in the global area or tensor table row
   std::vector<NodeId> tensor_derived;   // tensor values read by element code (u[D + k])
+  std::vector<NodeId> row_derived;      // row values element code reads or Rows states take (u[D + TV + k])
+  std::vector<NodeId> col_derived;      // column values likewise (u[D + TV + RV + k])
   std::vector<NodeId> derived;          // derived slot -> uniform node read by element code
   std::map<NodeId, int> derived_slot;   // node -> index in u: derived d -> d, tensor value k -> D + k
   ScalarLayout layout;
@@ -79,6 +97,14 @@ struct Plan {
   std::vector<std::string> pass_log;    // "name: N nodes" per pass, for explain
 
   int num_states() const { return static_cast<int>(program.states.size()); }
+  bool reads_shape = false;             // some value reads the tensor's shape (Op::Shape)
+  // Whether the plan has row or column values or reads shapes (its chunks then hold whole rows; the
+  // CUDA backend and the CPU compiler do not run such plans yet).
+  bool matrix() const {
+    return reads_shape || layout.row_reductions + layout.col_reductions + layout.row_values + layout.col_values > 0;
+  }
+  // A reduction of row or column values (a Sum over the tensor, taken by the Values step, no pass).
+  bool is_value_reduction(NodeId reduction) const;
   Scope scope_of(size_t reduction) const { return reduction_scope(program.graph.node(reductions[reduction])); }
   // The index in `reductions` (and in the partials) of a reduction node.
   size_t reduction_index(NodeId node) const;

@@ -37,10 +37,17 @@ struct HyperSpec {
   Range range;
 };
 
+// The shape of a state slot relative to its parameter: one value per element (Full), per row or
+// per column of the parameter's matrix view (TensorRef::cols; Adafactor's factored moments). A
+// Rows state is a *row* value in the rules' math, a Cols state a *column* value (plan.h).
+enum class StateShape : uint8_t { Full, Rows, Cols };
+const char* state_shape_name(StateShape s);
+
 struct StateSpec {
   std::string name;        // e.g. "exp_avg"
   double init = 0;         // every element starts at this value
   bool from_param = false; // every element starts as the parameter's value instead (schedule-free's z)
+  StateShape shape = StateShape::Full;
 };
 
 // A uniform state: one float64 value per parameter group, kept across steps (NAdam's mu_product).
@@ -62,6 +69,9 @@ class Rule {
   // Builder-style declarations; each throws optfuse::Error on an invalid value or a duplicate name.
   Rule& hyper(const std::string& name, double value, Range range = Range::any());
   Rule& state(const std::string& name, double init = 0);
+  // A state of one value per row / per column of the parameter's matrix view (StateShape).
+  Rule& row_state(const std::string& name, double init = 0);
+  Rule& col_state(const std::string& name, double init = 0);
   // A state slot that starts as a copy of the parameter (ProgramState::init_from_param).
   Rule& state_from_param(const std::string& name);
   // A uniform state (UniformStateSpec): one float64 per group, starting at `init`.
@@ -101,6 +111,7 @@ struct ProgramState {
                                  // state_from_param), not `init`
   bool fixed_dtype = false;      // must be stored as `dtype` (master copy: float32; remainder: int16)
   DType dtype = DType::f32;
+  StateShape shape = StateShape::Full;
 };
 
 // How low-precision (float16/bfloat16) parameters are kept: plan options, all off by default.
@@ -171,6 +182,8 @@ class RuleBuilder {
   Expr uniform_state(const std::string& name);
   void set_uniform_state(const std::string& name, Expr value);
   Expr step();                                // the step being taken, 1 on the first (uniform)
+  // The parameter's element count, rows, columns and whether it has a matrix view (per tensor).
+  Expr shape(ShapeItem item);
   Expr global(GlobalSlot slot);               // grad_scale, found_inf
   Expr constant(double v);
   // The whole step changes nothing (no parameter, state or step count update) when cond != 0.

@@ -13,7 +13,11 @@
 //            the per-chunk partials with every rank's, in global chunk order (Optimizer::set_exchange);
 //            without an exchange it does nothing
 //   Combine  per-chunk partials -> values of their scope, in chunk order (global: all chunks; per
-//            tensor: the tensor's chunks), so every scope is bitwise deterministic
+//            tensor: the tensor's chunks; per column: the tensor's chunks' column partials), so every
+//            scope is bitwise deterministic
+//   Values   (matrix plans) before a pass: the row and column values it may read, and their per-tensor sums
+//   Commit   (matrix plans) after the update pass: Rows and Cols states take their new values where
+//            the step is not skipped
 //
 // The CUDA backend folds a Combine into the last block of the pass before it and a Scalar into
 // the prologue of every block of the pass after it (one launch per pass); with an exchange set,
@@ -27,7 +31,7 @@ namespace optfuse {
 struct Plan;
 
 struct ScheduleStep {
-  enum class Kind { Scalar, Pass, Exchange, Combine };
+  enum class Kind { Scalar, Values, Pass, Exchange, Combine, Commit };
   Kind kind = Kind::Pass;
   // Pass: the element phase it runs. Scalar: the phase whose uniform values it prepares.
   // Exchange, Combine: the reduce phase whose partial sums they handle.

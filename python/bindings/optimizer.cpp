@@ -20,6 +20,7 @@
 #include "optfuse/optimizer.h"
 #include "optfuse/plan.h"
 #include "optfuse/rule.h"
+#include "runtime/matrix_tables.h"
 
 #include "bindings/common.h"
 #include "bindings/dlpack_exchange.h"
@@ -157,19 +158,26 @@ class PyOptimizer {
                        const std::vector<uint64_t>& states, const std::vector<int64_t>& numels,
                        const std::vector<int>& dtypes, const std::vector<int>& groups, int device_id,
                        const std::vector<int64_t>& watch_indices, const std::vector<bool>& stochastic,
-                       const std::vector<uint64_t>& rng_keys, const std::vector<int64_t>& rng_offsets) {
+                       const std::vector<uint64_t>& rng_keys, const std::vector<int64_t>& rng_offsets,
+                       const std::vector<int64_t>& cols) {
     size_t n = params.size(), ns = opt_->plan().program.states.size(), roles = 2 + ns;
     if (grads.size() != n || numels.size() != n || dtypes.size() != n * roles || groups.size() != n ||
         states.size() != n * ns || (!watch_indices.empty() && watch_indices.size() != n) ||
         (!stochastic.empty() && stochastic.size() != n * roles) || (!rng_keys.empty() && rng_keys.size() != n) ||
-        (!rng_offsets.empty() && rng_offsets.size() != n))
+        (!rng_offsets.empty() && rng_offsets.size() != n) || (!cols.empty() && cols.size() != n))
       throw Error("_set_tensors_raw: inconsistent list lengths");
+    const auto& specs = opt_->plan().program.states;
     std::vector<TensorRef> refs(n);
     for (size_t i = 0; i < n; ++i) {
+      if (!cols.empty()) refs[i].cols = cols[i];
       auto buf = [&](uint64_t ptr, size_t role) {
         int code = dtypes[i * roles + role];
         if (code < 0 || code >= kNumDTypes) throw Error("_set_tensors_raw: bad dtype code " + std::to_string(code));
-        return Buffer{reinterpret_cast<void*>(ptr), numels[i], static_cast<DType>(code),
+        // A Rows / Cols state holds one value per row / column of the matrix view (set_tensors checks it)
+        const int64_t numel = role < 2 ? numels[i]
+                                       : state_numel(TensorRef{Buffer{nullptr, numels[i]}, {}, {}, 0, 0, 0, refs[i].cols},
+                                                     specs[role - 2].shape);
+        return Buffer{reinterpret_cast<void*>(ptr), numel, static_cast<DType>(code),
                       !stochastic.empty() && stochastic[i * roles + role]};
       };
       refs[i].param = buf(params[i], 0);
@@ -659,6 +667,12 @@ void bind_optimizer(nb::module_& m) {
           out.emplace_back(s.init_from_param, s.fixed_dtype ? std::optional<std::string>(dtype_name(s.dtype)) : std::nullopt);
         return out;
       }, "(starts as a copy of the parameter, fixed dtype name or None) per state slot.")
+      .def_prop_ro("state_shapes", [](PyOptimizer& o) {
+        std::vector<std::string> out;
+        for (auto& s : o.get().plan().program.states) out.push_back(state_shape_name(s.shape));
+        return out;
+      }, "Per state slot: 'full' (one value per element), 'rows' or 'columns' (one per row / column of the "
+         "parameter's matrix view, TensorRef.cols).")
       .def_prop_ro("uniform_state_specs", [](PyOptimizer& o) {
         std::vector<std::tuple<std::string, std::string, double>> out;
         for (auto& u : o.get().plan().program.uniform_states) out.emplace_back(u.name, u.qualified, u.init);
@@ -694,7 +708,9 @@ void bind_optimizer(nb::module_& m) {
       .def("step", &PyOptimizer::step, "grad_scale"_a = nb::none(), "found_inf"_a = nb::none(), "stream"_a = nb::none())
       .def("source", [](PyOptimizer& o) { return o.get().source(); })
       .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })
-      .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw)
+      .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw, "params"_a, "grads"_a, "states"_a, "numels"_a, "dtypes"_a,
+           "groups"_a, "device_id"_a, "watch_indices"_a, "stochastic"_a, "rng_keys"_a, "rng_offsets"_a,
+           "cols"_a = std::vector<int64_t>())
       .def("_patch_pointers", &PyOptimizer::patch_pointers, "params"_a.none(), "grads"_a.none(), "states"_a.none())
       .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
       .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)

@@ -379,13 +379,13 @@ void bind_rules(nb::module_& m) {
         std::vector<std::string> out;
         for (size_t r = 0; r < p.reductions.size(); ++r) out.push_back(scope_name(p.scope_of(r)));
         return out;
-      }, "The scope of each reduction (\"global\" or \"tensor\"): sums that span tensors or whole tensors.")
+      }, "The scope of each reduction (\"global\", \"tensor\", \"row\" or \"column\").")
       .def_prop_ro("schedule", [](const Plan& p) {
         std::vector<std::pair<std::string, int>> out;
-        static const char* names[] = {"scalar", "pass", "exchange", "combine"};
+        static const char* names[] = {"scalar", "values", "pass", "exchange", "combine", "commit"};  // ScheduleStep::Kind
         for (const ScheduleStep& st : p.schedule) out.emplace_back(names[static_cast<int>(st.kind)], st.phase);
         return out;
-      }, "The step schedule: (kind, phase) per step; kinds scalar, pass, exchange, combine.")
+      }, "The step schedule: (kind, phase) per step; kinds scalar, values, pass, exchange, combine, commit.")
       .def_prop_ro("state_names", [](const Plan& p) {
         std::vector<std::string> out;
         for (auto& s : p.program.states) out.push_back(s.qualified);

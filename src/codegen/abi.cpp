@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "optfuse/error.h"
+
 namespace optfuse {
 
 std::string scalar_layout_source(const ScalarLayout& L) {
@@ -21,6 +23,13 @@ std::string scalar_layout_source(const ScalarLayout& L) {
   s += area("ustate", &ScalarLayout::uniform_states_offset);
   s += area("derived", &ScalarLayout::derived_offset);
   return s;
+}
+
+void require_generated_loops(const Plan& plan, const char* backend) {
+  if (plan.matrix())
+    throw Error(std::string("the ") + backend + " backend has no generated loop yet for plans with row or column "
+                "values or tensor shapes (" + plan.program.chain_text + "); the reference backend and the CPU "
+                "backend (interpreted in float32) run them");
 }
 
 std::string abi_source() {

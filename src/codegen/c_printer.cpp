@@ -244,6 +244,7 @@ std::string CPrinter::element_function(size_t phase) const {
     const Node& r = p.graph.node(ph.reductions[k]);
     std::string x = value_name(r.in[0]);
     if (r.op == Op::SumSquares) s << "  acc[" << k << "] += (double)" << x << " * (double)" << x << ";\n";
+    else if (r.op == Op::Sum) s << "  acc[" << k << "] += (double)" << x << ";\n";
     else {
       char buf[128];
       std::snprintf(buf, sizeof buf, d_.is_finite, x.c_str());
@@ -285,6 +286,7 @@ std::string CPrinter::scalar_function(size_t phase) const {
       case Op::Global: rhs = "globals[" + std::to_string(n.index) + "]"; break;
       case Op::UniformState: rhs = "ustate[" + std::to_string(n.index) + "]"; break;
       case Op::SumSquares:
+      case Op::Sum:
       case Op::AnyNonFinite: {
         rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))]) + "]";
         break;

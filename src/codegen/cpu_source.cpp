@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "codegen/abi.h"
+#include "optfuse/error.h"
 #include "codegen/c_printer.h"
 
 namespace optfuse {
@@ -203,6 +204,7 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
 std::string generate_cpu_source(const Plan& plan) { return generate_cpu_source(plan, default_variants(plan)); }
 
 std::string generate_cpu_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
+  require_generated_loops(plan, "CPU");
   CPrinter pr(plan, cpu_dialect());
   std::vector<std::string> roles = role_names(plan);
   std::ostringstream s;

@@ -43,6 +43,7 @@
 #include <sstream>
 
 #include "codegen/abi.h"
+#include "optfuse/error.h"
 #include "codegen/c_printer.h"
 
 namespace optfuse {
@@ -484,6 +485,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
 std::string generate_cuda_source(const Plan& plan) { return generate_cuda_source(plan, default_variants(plan)); }
 
 std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
+  require_generated_loops(plan, "CUDA");
   CPrinter pr(plan, cuda_dialect());
   const ScalarLayout& L = plan.layout;
   std::ostringstream s;

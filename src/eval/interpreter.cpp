@@ -12,17 +12,45 @@ void set_globals(double* table, const StepInputs& in) {
   table[kFoundInf] = in.found_inf ? static_cast<double>(*in.found_inf) : 0.0;
 }
 
+namespace {
+double reduce_add(Op op, double acc, double v) { return op == Op::AnyNonFinite ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v; }
+// One element's (or one row or column value's) contribution to a reduction.
+double contribution(Op op, double x) {
+  switch (op) {
+    case Op::SumSquares: return x * x;
+    case Op::Sum: return x;
+    default: return std::isfinite(x) ? 0.0 : 1.0;  // AnyNonFinite
+  }
+}
+}  // namespace
+
 void combine_partials(const Plan& plan, size_t phase, const std::function<const double*(size_t)>& row,
                       const std::vector<ChunkRange>& spans, int64_t columns, double* table,
-                      std::vector<double>& tensor_reductions) {
+                      std::vector<double>& tensor_reductions, MatrixTables* m) {
   const Graph& g = plan.program.graph;
   const ScalarLayout& L = plan.layout;
   for (NodeId node : plan.phases.at(phase).reductions) {
     const size_t r = plan.reduction_index(node);
-    const bool any = g.node(node).op == Op::AnyNonFinite;
-    auto add = [any](double acc, double v) { return any ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v; };
+    const Op op = g.node(node).op;
+    auto add = [op](double acc, double v) { return reduce_add(op, acc, v); };
     const int slot = plan.reduction_area_slot[r];
     const double* partials = row(r);
+    if (plan.scope_of(r) == Scope::Row) continue;  // written whole by the pass: a chunk holds whole rows
+    if (plan.scope_of(r) == Scope::Col) {  // per column: the column partials of the tensor's chunks, in order
+      if (m == nullptr) throw Error("combine_partials: column reductions need the matrix tables");
+      const MatrixLayout& ml = m->layout;
+      const size_t cr = static_cast<size_t>(L.col_reductions);
+      for (size_t t = 0; t < spans.size(); ++t) {
+        const int64_t cols = ml.col_offset.size() > t + 1 ? ml.col_offset[t + 1] - ml.col_offset[t] : ml.cols - ml.col_offset[t];
+        for (int64_t c = 0; c < cols; ++c) {
+          double acc = 0;
+          for (uint32_t j = 0; j < spans[t].count; ++j)
+            acc = add(acc, m->col_partials[static_cast<size_t>(ml.colpart_offset[t] + j * cols + c) * cr + static_cast<size_t>(slot)]);
+          m->col_reductions[static_cast<size_t>(ml.col_offset[t] + c) * cr + static_cast<size_t>(slot)] = acc;
+        }
+      }
+      continue;
+    }
     if (plan.scope_of(r) == Scope::Global) {
       double acc = 0;
       for (int64_t c = 0; c < columns; ++c) acc = add(acc, partials[c]);
@@ -60,6 +88,7 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
           val[i] = table[L.uniform_states_offset(groups) + grp * L.uniform_states_per_group + n.index];
           break;
         case Op::SumSquares:
+        case Op::Sum:
         case Op::AnyNonFinite: {
           val[i] = table[L.reductions_offset() + plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
           break;
@@ -89,8 +118,13 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
   }
 }
 
+std::array<double, 4> shape_values(const TensorRef& t) {
+  const MatrixView v = matrix_view(t);
+  return {static_cast<double>(t.param.numel), static_cast<double>(v.rows), static_cast<double>(v.cols), t.cols > 0 ? 1.0 : 0.0};
+}
+
 void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
-                        std::vector<double>& val) {
+                        const double* shape, std::vector<double>& val) {
   const Graph& g = plan.program.graph;
   auto input = [&](NodeId in) {
     const Node& n = g.node(in);
@@ -105,6 +139,10 @@ void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, 
       val[i] = reductions_row[plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
       continue;
     }
+    if (n.op == Op::Shape) {
+      val[i] = shape[n.index];
+      continue;
+    }
     double x = input(n.in[0]);
     double y = op_arity(n.op) > 1 ? input(n.in[1]) : 0.0;
     double z = op_arity(n.op) > 2 ? input(n.in[2]) : 0.0;
@@ -116,8 +154,9 @@ template <class T>
 void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
                        int groups, const std::vector<double>& tensor_reductions,
-                       std::vector<std::vector<double>>& partials) {
+                       std::vector<std::vector<double>>& partials, MatrixTables* m) {
   const Program& p = plan.program;
+  if (plan.matrix() && m == nullptr) throw Error("run_element_phase: a matrix plan needs its matrix tables");
   const Graph& g = p.graph;
   const ScalarLayout& L = plan.layout;
   bool update = phase.kind == ElementPhase::Kind::Update;
@@ -135,9 +174,10 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     for (size_t d = 0; d < plan.derived.size(); ++d)
       val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
     if (!plan.tensor_derived.empty()) {  // this tensor's values, float64, rounded as they enter element math
+      const std::array<double, 4> shape = shape_values(t);
       eval_tensor_values(plan, plan.value_level_limit(phase), derived,
                          tensor_reductions.data() + static_cast<size_t>(ch.tensor) * static_cast<size_t>(L.tensor_reductions),
-                         tensor_val);
+                         shape.data(), tensor_val);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
     }
     for (size_t i = 0; i < g.size(); ++i)
@@ -152,7 +192,24 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
       else
         store_element(b.data, b.dtype, e, static_cast<double>(v));
     };
+    // Matrix plans: this chunk's rows and column partials (whole rows: rows [r0, r1)).
+    const size_t tix = static_cast<size_t>(ch.tensor);
+    const MatrixView view = matrix_view(t);
+    const int64_t row0 = m ? m->layout.row_offset[tix] : 0, col0 = m ? m->layout.col_offset[tix] : 0;
+    const int64_t part0 = m ? m->layout.colpart_offset[tix] + (static_cast<int64_t>(c) - m->layout.first_chunk[tix]) * view.cols : 0;
+    const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
+    const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
+    if (m)
+      for (int64_t k = 0; k < view.cols * static_cast<int64_t>(CR); ++k) m->col_partials[static_cast<size_t>(part0 * static_cast<int64_t>(CR) + k)] = 0.0;
+    std::vector<double> row_acc(phase.reductions.size(), 0.0);
     for (int64_t e = ch.begin; e < ch.begin + ch.length; ++e) {
+      const int64_t row = e / view.cols, col = e % view.cols;
+      if (m) {
+        for (size_t k = 0; k < RV; ++k)
+          val[static_cast<size_t>(plan.row_derived[k])] = static_cast<T>(m->row_values[static_cast<size_t>(row0 + row) * RV + k]);
+        for (size_t k = 0; k < CV; ++k)
+          val[static_cast<size_t>(plan.col_derived[k])] = static_cast<T>(m->col_values[static_cast<size_t>(col0 + col) * CV + k]);
+      }
       for (NodeId id : phase.nodes) {
         const Node& n = g.node(id);
         size_t i = static_cast<size_t>(id);
@@ -174,9 +231,23 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
       }
       for (size_t r = 0; r < phase.reductions.size(); ++r) {
         const Node& rn = g.node(phase.reductions[r]);
-        double x = static_cast<double>(val[static_cast<size_t>(rn.in[0])]);
-        if (rn.op == Op::SumSquares) acc[r] += x * x;
-        else if (!std::isfinite(x)) acc[r] = 1.0;
+        const double v = contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])]));
+        const size_t slot = static_cast<size_t>(plan.reduction_area_slot[red_slot[r]]);
+        switch (reduction_scope(rn)) {
+          case Scope::Row:  // in element order along the row; written when the row ends
+            row_acc[r] = reduce_add(rn.op, row_acc[r], v);
+            if (col == view.cols - 1) {
+              m->row_reductions[static_cast<size_t>(row0 + row) * RR + slot] = row_acc[r];
+              row_acc[r] = 0.0;
+            }
+            break;
+          case Scope::Col: {
+            double& part = m->col_partials[static_cast<size_t>(part0 + col) * CR + slot];
+            part = reduce_add(rn.op, part, v);
+            break;
+          }
+          default: acc[r] = reduce_add(rn.op, acc[r], v);
+        }
       }
       if (update) {
         for (int s : phase.writes_states)
@@ -190,9 +261,114 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
 
 template void run_element_phase<double>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
                                         const std::vector<Chunk>&, size_t, size_t, const double*, int,
-                                        const std::vector<double>&, std::vector<std::vector<double>>&);
+                                        const std::vector<double>&, std::vector<std::vector<double>>&, MatrixTables*);
 template void run_element_phase<float>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
                                        const std::vector<Chunk>&, size_t, size_t, const double*, int,
-                                       const std::vector<double>&, std::vector<std::vector<double>>&);
+                                       const std::vector<double>&, std::vector<std::vector<double>>&, MatrixTables*);
+
+
+template <class T>
+void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef>& tensors, const double* table,
+                     int groups, std::vector<double>& tensor_reductions, MatrixTables& m) {
+  const Graph& g = plan.program.graph;
+  const ScalarLayout& L = plan.layout;
+  const int limit = plan.value_level_limit(plan.phases.at(phase));
+  const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
+  const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
+  const size_t RT = static_cast<size_t>(L.tensor_reductions);
+  std::vector<T> val(g.size(), T(0));
+  std::vector<double> tensor_val(g.size(), 0.0);
+  // The nodes of each kind to evaluate, and the sums of them, of the levels this pass may read.
+  std::vector<NodeId> nodes[2], sums[2];
+  for (size_t i = 0; i < g.size(); ++i) {
+    const ValueKind k = plan.kind[i];
+    const NodeId id = static_cast<NodeId>(i);
+    if (plan.level[i] > limit) continue;
+    if (k == ValueKind::Row || k == ValueKind::Col) nodes[k == ValueKind::Col].push_back(id);
+    if (op_is_reduction(g.node(id).op) && plan.is_value_reduction(id))
+      sums[plan.kind[static_cast<size_t>(g.node(id).in[0])] == ValueKind::Col].push_back(id);
+  }
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const TensorRef& ref = tensors[t];
+    const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
+    const std::array<double, 4> shape = shape_values(ref);
+    eval_tensor_values(plan, limit, derived, tensor_reductions.data() + t * RT, shape.data(), tensor_val);
+    // Uniform and tensor inputs, rounded to T as they enter row and column math (as element math).
+    for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
+    for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
+    for (size_t i = 0; i < g.size(); ++i)
+      if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
+    const MatrixView view = matrix_view(ref);
+    for (int side = 0; side < 2; ++side) {  // rows, then columns
+      const bool cols = side == 1;
+      const int64_t count = cols ? view.cols : view.rows, first = cols ? m.layout.col_offset[t] : m.layout.row_offset[t];
+      const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
+      std::vector<double>& values = cols ? m.col_values : m.row_values;
+      const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
+      const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
+      std::vector<double> acc(sums[side].size(), 0.0);
+      for (int64_t x = 0; x < count; ++x) {
+        for (NodeId id : nodes[side]) {
+          const Node& n = g.node(id);
+          const size_t i = static_cast<size_t>(id);
+          if (n.op == Op::State) {
+            const Buffer& b = ref.states[static_cast<size_t>(n.index)];
+            val[i] = static_cast<T>(load_element(b.data, b.dtype, x));
+          } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
+            val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red +
+                                               static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(id)])]);
+          } else {
+            T a = val[static_cast<size_t>(n.in[0])];
+            T b = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
+            T c = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
+            val[i] = apply_op<T>(n.op, a, b, c);
+          }
+        }
+        for (size_t k = 0; k < derived_ids.size(); ++k)
+          if (plan.level[static_cast<size_t>(derived_ids[k])] <= limit)
+            values[static_cast<size_t>(first + x) * per_val + k] = static_cast<double>(val[static_cast<size_t>(derived_ids[k])]);
+        for (size_t q = 0; q < sums[side].size(); ++q) {
+          const Node& rn = g.node(sums[side][q]);
+          acc[q] = reduce_add(rn.op, acc[q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
+        }
+      }
+      for (size_t q = 0; q < sums[side].size(); ++q)
+        tensor_reductions[t * RT + static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(sums[side][q])])] = acc[q];
+    }
+  }
+}
+
+template void run_values_step<double>(const Plan&, size_t, const std::vector<TensorRef>&, const double*, int,
+                                      std::vector<double>&, MatrixTables&);
+template void run_values_step<float>(const Plan&, size_t, const std::vector<TensorRef>&, const double*, int,
+                                     std::vector<double>&, MatrixTables&);
+
+void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensors, const double* table, int groups,
+                          const MatrixTables& m) {
+  const Program& p = plan.program;
+  const ScalarLayout& L = plan.layout;
+  const size_t D = plan.derived.size() + plan.tensor_derived.size();
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    const TensorRef& ref = tensors[t];
+    if (table[L.skip_offset(groups) + ref.group] != 0.0) continue;
+    const MatrixView view = matrix_view(ref);
+    for (size_t s = 0; s < p.states.size(); ++s) {
+      const StateShape shape = p.states[s].shape;
+      if (shape == StateShape::Full) continue;
+      const bool cols = shape == StateShape::Cols;
+      const NodeId out = p.state_out[s];
+      const Buffer& b = ref.states[s];
+      const int64_t count = cols ? view.cols : view.rows, first = cols ? m.layout.col_offset[t] : m.layout.row_offset[t];
+      if (p.graph.node(out).op == Op::Const) {
+        for (int64_t x = 0; x < count; ++x) store_element(b.data, b.dtype, x, p.graph.node(out).value);
+        continue;
+      }
+      const size_t per = static_cast<size_t>(cols ? L.col_values : L.row_values);
+      const size_t k = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(L.row_values) : 0);
+      const std::vector<double>& values = cols ? m.col_values : m.row_values;
+      for (int64_t x = 0; x < count; ++x) store_element(b.data, b.dtype, x, values[static_cast<size_t>(first + x) * per + k]);
+    }
+  }
+}
 
 }  // namespace optfuse

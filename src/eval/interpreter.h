@@ -2,11 +2,13 @@
 // fallback when no compiler is available (element math in float32, the same rounding as the
 // generated code). Also the scalar phase, which the reference and CPU backends share.
 #pragma once
+#include <array>
 #include <functional>
 #include <vector>
 
 #include "optfuse/optimizer.h"
 #include "runtime/chunks.h"
+#include "runtime/matrix_tables.h"
 
 namespace optfuse {
 
@@ -15,9 +17,11 @@ namespace optfuse {
 // reduction area, per-tensor ones over the tensor's span of columns into
 // tensor_reductions[tensor][slot]. row(r) is reduction r's partials; columns are chunks: the
 // executor's own (spans from chunk_ranges) or, for a sharded step, every rank's in global order.
+// Matrix plans (m): column reductions are combined from m's per-chunk column partials, in chunk
+// order; row reductions need no combining (a chunk holds whole rows).
 void combine_partials(const Plan& plan, size_t phase, const std::function<const double*(size_t)>& row,
                       const std::vector<ChunkRange>& spans, int64_t columns, double* table,
-                      std::vector<double>& tensor_reductions);
+                      std::vector<double>& tensor_reductions, MatrixTables* m = nullptr);
 
 // Scalar phase before element phase `phase_index` of the plan: evaluates uniform values for every
 // group in float64 into the derived area (reductions already combined). Before the update phase it
@@ -27,17 +31,33 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
 
 // One tensor's values (ValueKind::Tensor) of level <= limit, float64, into val[node]: from its
 // group's derived row and its row of tensor_reductions. What generated code does per chunk.
+// shape: the tensor's numel, rows, columns and whether it has a matrix view (Op::Shape).
 void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
-                        std::vector<double>& val);
+                        const double* shape, std::vector<double>& val);
+// Op::Shape's values for a tensor.
+std::array<double, 4> shape_values(const TensorRef& t);
 
 // One element phase over chunks [first, last) of `chunks`. For a reduce phase, writes one partial
 // per reduction of this phase per chunk into partials[reduction slot][chunk]. T = double is the
-// reference evaluator; T = float mirrors generated code.
+// reference evaluator; T = float mirrors generated code. Matrix plans (m): elements read their
+// row's and column's values from m; row reductions go to m's row table (a chunk holds whole rows),
+// column reductions to the chunk's column partials.
 template <class T>
 void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
                        int groups, const std::vector<double>& tensor_reductions,
-                       std::vector<std::vector<double>>& partials);
+                       std::vector<std::vector<double>>& partials, MatrixTables* m = nullptr);
+
+// The schedule's Values step before pass `phase` of a matrix plan: every tensor's row and column
+// values of the levels the pass may read, into m's value tables, then the per-tensor sums of row
+// or column values of those levels into tensor_reductions. Math in T, as run_element_phase.
+template <class T>
+void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef>& tensors, const double* table,
+                     int groups, std::vector<double>& tensor_reductions, MatrixTables& m);
+
+// The Commit step: Rows and Cols states of tensors whose group did not skip take their new values.
+void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensors, const double* table, int groups,
+                          const MatrixTables& m);
 
 // Writes the step's global scalars (grad_scale, found_inf; host pointers or defaults 1 and 0).
 void set_globals(double* table, const StepInputs& in);

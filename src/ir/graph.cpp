@@ -16,23 +16,23 @@ struct OpInfo {
 // Indexed by Op; keep in the enum's order.
 constexpr OpInfo kOps[] = {
     {"const", 0},     {"param", 0},     {"grad", 0},        {"state", 0},     {"hyper", 0},
-    {"step", 0},      {"global", 0},    {"uniform_state", 0}, {"neg", 1},         {"abs", 1},       {"sign", 1},
+    {"step", 0},      {"global", 0},    {"uniform_state", 0}, {"shape", 0}, {"neg", 1},         {"abs", 1},       {"sign", 1},
     {"sqrt", 1},      {"rsqrt", 1},     {"exp", 1},         {"log", 1},       {"not", 1},
     {"isfinite", 1},  {"round_bf16", 1}, {"round_f16", 1},  {"add", 2},       {"sub", 2},
     {"mul", 2},       {"div", 2},       {"pow", 2},         {"min", 2},       {"max", 2},
     {"lt", 2},        {"le", 2},        {"gt", 2},          {"ge", 2},        {"eq", 2},
     {"ne", 2},        {"and", 2},       {"or", 2},          {"select", 3},    {"lerp", 3},
     {"fma", 3},       {"master_from_remainder", 2}, {"remainder_of_master", 1},
-    {"param_of_master", 1},             {"sum_squares", 1}, {"any_nonfinite", 1},
+    {"param_of_master", 1},             {"sum_squares", 1}, {"any_nonfinite", 1}, {"sum", 1},
 };
-static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(Op::AnyNonFinite) + 1,
+static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(Op::Sum) + 1,
               "kOps must list every Op");
 }  // namespace
 
 const char* op_name(Op op) { return kOps[static_cast<int>(op)].name; }
 int op_arity(Op op) { return kOps[static_cast<int>(op)].arity; }
 bool op_is_leaf(Op op) { return op_arity(op) == 0; }
-bool op_is_reduction(Op op) { return op == Op::SumSquares || op == Op::AnyNonFinite; }
+bool op_is_reduction(Op op) { return op == Op::SumSquares || op == Op::AnyNonFinite || op == Op::Sum; }
 bool op_is_commutative(Op op) {
   switch (op) {
     case Op::Add: case Op::Mul: case Op::Min: case Op::Max: case Op::Eq: case Op::Ne:
@@ -177,8 +177,25 @@ Expr global_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Glo
 Expr any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Global); }
 Expr tensor_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Tensor); }
 Expr tensor_any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Tensor); }
+Expr tensor_sum(Expr x) { return reduce(Op::Sum, x, Scope::Tensor); }
+Expr row_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Row); }
+Expr col_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Col); }
+Expr tensor_shape(Graph& g, ShapeItem item) {
+  Node n;
+  n.op = Op::Shape;
+  n.index = static_cast<int32_t>(item);
+  return {&g, g.add(n)};
+}
 
-const char* scope_name(Scope scope) { return scope == Scope::Global ? "global" : "tensor"; }
+const char* scope_name(Scope scope) {
+  switch (scope) {
+    case Scope::Global: return "global";
+    case Scope::Tensor: return "tensor";
+    case Scope::Row: return "row";
+    case Scope::Col: return "column";
+  }
+  return "?";
+}
 
 template <class T>
 T apply_op(Op op, T x, T y, T z) {

@@ -21,7 +21,47 @@ int ElementPhase::writes() const {
 
 namespace {
 
-ValueKind widest(ValueKind a, ValueKind b) { return static_cast<uint8_t>(a) > static_cast<uint8_t>(b) ? a : b; }
+// The kind of a value computed from values of kinds a and b: the wider one, where a row value and
+// a column value make an element value (one per (row, column)).
+ValueKind widest(ValueKind a, ValueKind b) {
+  if (a == b) return a;
+  if ((a == ValueKind::Row && b == ValueKind::Col) || (a == ValueKind::Col && b == ValueKind::Row)) return ValueKind::Element;
+  return static_cast<uint8_t>(a) > static_cast<uint8_t>(b) ? a : b;
+}
+
+const char* kind_phrase(ValueKind k) {
+  switch (k) {
+    case ValueKind::Uniform: return "uniform";
+    case ValueKind::Tensor: return "per-tensor";
+    case ValueKind::Row: return "per-row";
+    case ValueKind::Col: return "per-column";
+    case ValueKind::Element: return "per-element";
+  }
+  return "?";
+}
+
+ValueKind state_kind(StateShape s) {
+  return s == StateShape::Rows ? ValueKind::Row : s == StateShape::Cols ? ValueKind::Col : ValueKind::Element;
+}
+
+// The kind (and level) of a reduction of a value of kind `in`.
+ValueKind reduction_kind(const Node& n, ValueKind in) {
+  const Scope scope = reduction_scope(n);
+  if (in == ValueKind::Element) {
+    switch (scope) {
+      case Scope::Global: return ValueKind::Uniform;
+      case Scope::Tensor: return ValueKind::Tensor;
+      case Scope::Row: return ValueKind::Row;
+      case Scope::Col: return ValueKind::Col;
+    }
+  }
+  if ((in == ValueKind::Row || in == ValueKind::Col) && scope == Scope::Tensor) return ValueKind::Tensor;
+  if (in == ValueKind::Uniform || in == ValueKind::Tensor)
+    throw Error(std::string("IR: ") + op_name(n.op) + " of a " + (in == ValueKind::Tensor ? "per-tensor" : "uniform") +
+                " value (it must reduce element values)");
+  throw Error(std::string("IR: ") + op_name(n.op) + " over a " + scope_name(scope) + " of a " + kind_phrase(in) +
+              " value (reductions take element values, or row or column values summed over their tensor)");
+}
 
 void classify(Plan& plan) {
   const Graph& g = plan.program.graph;
@@ -29,8 +69,16 @@ void classify(Plan& plan) {
   plan.level.assign(g.size(), 0);
   for (size_t i = 0; i < g.size(); ++i) {
     const Node& n = g.node(static_cast<NodeId>(i));
-    if (n.op == Op::Param || n.op == Op::Grad || n.op == Op::State) {
+    if (n.op == Op::Param || n.op == Op::Grad) {
       plan.kind[i] = ValueKind::Element;
+      continue;
+    }
+    if (n.op == Op::State) {
+      plan.kind[i] = state_kind(plan.program.states.at(static_cast<size_t>(n.index)).shape);
+      continue;
+    }
+    if (n.op == Op::Shape) {
+      plan.kind[i] = ValueKind::Tensor;
       continue;
     }
     int lvl = 0;
@@ -41,11 +89,9 @@ void classify(Plan& plan) {
       kind = widest(kind, plan.kind[in]);
     }
     if (op_is_reduction(n.op)) {
-      if (kind != ValueKind::Element)
-        throw Error(std::string("IR: ") + op_name(n.op) + " of a " + (kind == ValueKind::Tensor ? "per-tensor" : "uniform") +
-                    " value (it must reduce element values)");
-      plan.kind[i] = reduction_scope(n) == Scope::Global ? ValueKind::Uniform : ValueKind::Tensor;
-      plan.level[i] = lvl + 1;
+      plan.kind[i] = reduction_kind(n, kind);
+      // A sum of row or column values is taken with them (the Values step): no pass, no new level.
+      plan.level[i] = kind == ValueKind::Element ? lvl + 1 : lvl;
     } else {
       plan.kind[i] = kind;
       plan.level[i] = lvl;
@@ -55,16 +101,44 @@ void classify(Plan& plan) {
     ValueKind k = plan.kind[static_cast<size_t>(plan.program.uniform_state_out[u])];
     if (k != ValueKind::Uniform)
       throw Error("uniform state " + plan.program.uniform_states[u].qualified + " needs a uniform new value (one per "
-                  "group), not a " + (k == ValueKind::Tensor ? "per-tensor" : "per-element") + " one");
+                  "group), not a " + kind_phrase(k) + " one");
   }
   if (plan.program.skip != kNoNode) {
     ValueKind k = plan.kind[static_cast<size_t>(plan.program.skip)];
     if (k == ValueKind::Element)
       throw Error("skip_step_if needs a uniform condition (one value for the whole step), not a per-element one; "
                   "reduce it first, e.g. with any_nonfinite()");
-    if (k == ValueKind::Tensor)
-      throw Error("skip_step_if needs a uniform condition (one value for the whole step), not a per-tensor one; "
-                  "use a global reduction, e.g. any_nonfinite()");
+    if (k != ValueKind::Uniform)
+      throw Error(std::string("skip_step_if needs a uniform condition (one value for the whole step), not a ") +
+                  kind_phrase(k) + " one; use a global reduction, e.g. any_nonfinite()");
+  }
+  const Program& p = plan.program;
+  for (size_t s = 0; s < p.states.size(); ++s) {
+    const StateShape shape = p.states[s].shape;
+    if (shape == StateShape::Full) continue;
+    const ValueKind k = plan.kind[static_cast<size_t>(p.state_out[s])];
+    const bool constant = p.graph.node(p.state_out[s]).op == Op::Const;
+    if (!constant && k != (shape == StateShape::Rows ? ValueKind::Row : ValueKind::Col))
+      throw Error("state " + p.states[s].qualified + " holds one value per " +
+                  (shape == StateShape::Rows ? "row" : "column") + "; its new value is " + kind_phrase(k) +
+                  " (it needs a " + (shape == StateShape::Rows ? "per-row" : "per-column") + " value)");
+    if (p.states[s].init_from_param)
+      throw Error("state " + p.states[s].qualified + " holds one value per " + state_shape_name(shape) +
+                  " and cannot start as a copy of the parameter");
+  }
+  // Row and column values are evaluated before the per-tensor sums of row and column values of
+  // their level are taken (the Values step): they cannot read them.
+  std::vector<bool> after_value_sum(g.size(), false);
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Node& n = g.node(static_cast<NodeId>(i));
+    const bool value_sum = op_is_reduction(n.op) && (plan.kind[static_cast<size_t>(n.in[0])] == ValueKind::Row ||
+                                                      plan.kind[static_cast<size_t>(n.in[0])] == ValueKind::Col);
+    bool dep = value_sum;
+    for (int k = 0; k < op_arity(n.op) && !op_is_reduction(n.op); ++k) dep = dep || after_value_sum[static_cast<size_t>(n.in[k])];
+    after_value_sum[i] = dep;
+    if (dep && (plan.kind[i] == ValueKind::Row || plan.kind[i] == ValueKind::Col))
+      throw Error("IR: a row or column value reads a per-tensor sum of row or column values (%" + std::to_string(i) +
+                  "); only element and per-tensor math may use such a sum");
   }
 }
 
@@ -121,7 +195,7 @@ void build_phases(Plan& plan) {
     ph.level = L;
     std::vector<NodeId> inputs;
     for (NodeId r : plan.reductions)
-      if (plan.level[static_cast<size_t>(r)] == L) {
+      if (plan.level[static_cast<size_t>(r)] == L && !plan.is_value_reduction(r)) {
         ph.reductions.push_back(r);
         inputs.push_back(g.node(r).in[0]);
       }
@@ -142,7 +216,8 @@ void build_phases(Plan& plan) {
   for (size_t s = 0; s < p.state_out.size(); ++s) {
     const Node& n = g.node(p.state_out[s]);
     bool unchanged = n.op == Op::State && n.index == static_cast<int32_t>(s);
-    if (!unchanged) up.writes_states.push_back(static_cast<int>(s));
+    // Rows and Cols states are written by the Commit step, from the value tables.
+    if (!unchanged && p.states[s].shape == StateShape::Full) up.writes_states.push_back(static_cast<int>(s));
   }
   plan.phases.push_back(up);
 }
@@ -183,6 +258,7 @@ bool delay_reductions(Plan& plan) {
   std::vector<int> forced(g.size(), 0);
   bool moved = false;
   for (NodeId r : plan.reductions) {
+    if (plan.is_value_reduction(r)) continue;  // taken by the Values step, in no pass
     int cur = -1, target = -1;
     for (int i = 0; i <= last; ++i) {
       const ElementPhase& ph = plan.phases[static_cast<size_t>(i)];
@@ -208,7 +284,7 @@ bool delay_reductions(Plan& plan) {
     if (op_arity(n.op) == 0) continue;
     int lvl = 0;
     for (int k = 0; k < op_arity(n.op); ++k) lvl = std::max(lvl, plan.level[static_cast<size_t>(n.in[k])]);
-    if (op_is_reduction(n.op)) lvl = std::max(lvl + 1, forced[i]);
+    if (op_is_reduction(n.op) && !plan.is_value_reduction(static_cast<NodeId>(i))) lvl = std::max(lvl + 1, forced[i]);
     plan.level[i] = lvl;
   }
   return true;
@@ -224,7 +300,11 @@ void assign_value_slots(Plan& plan) {
     ValueKind k = plan.kind[static_cast<size_t>(in)];
     if (k == ValueKind::Element || g.node(in).op == Op::Const) return;  // constants are printed inline
     if (!seen.insert(in).second) return;
-    (k == ValueKind::Uniform ? plan.derived : plan.tensor_derived).push_back(in);
+    (k == ValueKind::Uniform  ? plan.derived
+     : k == ValueKind::Tensor ? plan.tensor_derived
+     : k == ValueKind::Row    ? plan.row_derived
+                              : plan.col_derived)
+        .push_back(in);
   };
   for (const ElementPhase& ph : plan.phases)
     for (NodeId id : ph.nodes) {
@@ -234,17 +314,24 @@ void assign_value_slots(Plan& plan) {
   // Element outputs that are themselves uniform or per tensor (e.g. a state set to a constant) are broadcast.
   need(p.param_out);
   for (NodeId s : p.state_out) need(s);
-  // Tensor values are computed per chunk from the group's derived row: their uniform inputs are derived.
+  // Tensor values are computed per chunk from the group's derived row: their uniform inputs are
+  // derived. Row and column values (Values step) read uniform and tensor values from u likewise.
   for (size_t i = 0; i < g.size(); ++i) {
-    if (plan.kind[i] != ValueKind::Tensor) continue;
+    const ValueKind kind = plan.kind[i];
+    if (kind != ValueKind::Tensor && kind != ValueKind::Row && kind != ValueKind::Col) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) continue;
-    for (int k = 0; k < op_arity(n.op); ++k)
-      if (plan.kind[static_cast<size_t>(n.in[k])] == ValueKind::Uniform) need(n.in[k]);
+    for (int k = 0; k < op_arity(n.op); ++k) {
+      const ValueKind in = plan.kind[static_cast<size_t>(n.in[k])];
+      if (in == ValueKind::Uniform || (kind != ValueKind::Tensor && in == ValueKind::Tensor)) need(n.in[k]);
+    }
   }
-  for (size_t d = 0; d < plan.derived.size(); ++d) plan.derived_slot[plan.derived[d]] = static_cast<int>(d);
-  for (size_t k = 0; k < plan.tensor_derived.size(); ++k)
-    plan.derived_slot[plan.tensor_derived[k]] = static_cast<int>(plan.derived.size() + k);
+  // A Rows / Cols state's new value is kept in the value table until the Commit step.
+  for (size_t s = 0; s < p.states.size(); ++s)
+    if (p.states[s].shape != StateShape::Full && g.node(p.state_out[s]).op != Op::Const) need(p.state_out[s]);
+  int next = 0;
+  for (const std::vector<NodeId>* area : {&plan.derived, &plan.tensor_derived, &plan.row_derived, &plan.col_derived})
+    for (NodeId id : *area) plan.derived_slot[id] = next++;
 }
 
 }  // namespace
@@ -254,12 +341,13 @@ Plan make_plan(Program program) {
   plan.program = run_passes(std::move(program), &plan.pass_log);
   classify(plan);
   const Graph& g = plan.program.graph;
-  int global_slots = 0, tensor_slots = 0;
+  int slots[4] = {0, 0, 0, 0};  // per Scope: global area, tensor, row, column tables
   for (size_t i = 0; i < g.size(); ++i) {
     const Node& n = g.node(static_cast<NodeId>(i));
+    if (n.op == Op::Shape) plan.reads_shape = true;
     if (!op_is_reduction(n.op)) continue;
     plan.reductions.push_back(static_cast<NodeId>(i));
-    plan.reduction_area_slot.push_back(reduction_scope(n) == Scope::Global ? global_slots++ : tensor_slots++);
+    plan.reduction_area_slot.push_back(slots[static_cast<int>(reduction_scope(n))]++);
   }
   build_phases(plan);
   if (delay_reductions(plan)) build_phases(plan);
@@ -267,14 +355,34 @@ Plan make_plan(Program program) {
   plan.layout.hypers_per_group = static_cast<int>(plan.program.hypers.size());
   plan.layout.derived_per_group = static_cast<int>(plan.derived.size());
   plan.layout.uniform_states_per_group = static_cast<int>(plan.program.uniform_states.size());
-  plan.layout.reductions = global_slots;
-  plan.layout.tensor_reductions = tensor_slots;
+  plan.layout.reductions = slots[static_cast<int>(Scope::Global)];
+  plan.layout.tensor_reductions = slots[static_cast<int>(Scope::Tensor)];
   plan.layout.tensor_values = static_cast<int>(plan.tensor_derived.size());
+  plan.layout.row_reductions = slots[static_cast<int>(Scope::Row)];
+  plan.layout.col_reductions = slots[static_cast<int>(Scope::Col)];
+  plan.layout.row_values = static_cast<int>(plan.row_derived.size());
+  plan.layout.col_values = static_cast<int>(plan.col_derived.size());
   plan.schedule = make_schedule(plan);
   return plan;
 }
 
 Plan make_plan(const Chain& chain, const Precision& precision) { return make_plan(build_program(chain, precision)); }
+
+const char* value_kind_name(ValueKind k) {
+  switch (k) {
+    case ValueKind::Uniform: return "uniform";
+    case ValueKind::Tensor: return "tensor";
+    case ValueKind::Row: return "row";
+    case ValueKind::Col: return "column";
+    case ValueKind::Element: return "element";
+  }
+  return "?";
+}
+
+bool Plan::is_value_reduction(NodeId reduction) const {
+  const ValueKind in = kind.at(static_cast<size_t>(program.graph.node(reduction).in[0]));
+  return in == ValueKind::Row || in == ValueKind::Col;
+}
 
 size_t Plan::reduction_index(NodeId node) const {
   auto it = std::find(reductions.begin(), reductions.end(), node);
@@ -303,7 +411,7 @@ std::string Plan::describe(DType storage) const {
       s << " (partial sums of";
       for (NodeId r : ph.reductions) {
         const Node& n = program.graph.node(r);
-        s << " " << op_name(n.op) << (reduction_scope(n) == Scope::Global ? "" : "/tensor");
+        s << " " << op_name(n.op) << (reduction_scope(n) == Scope::Global ? "" : std::string("/") + scope_name(reduction_scope(n)));
       }
       s << ")";
     }
@@ -358,6 +466,20 @@ std::string Plan::describe(DType storage) const {
     }
     s << "), computed per chunk\n";
   }
+  if (matrix()) {
+    auto names = [&](const std::vector<NodeId>& ids) {
+      std::string out;
+      for (size_t i = 0; i < ids.size(); ++i) {
+        auto it = p.names.find(ids[i]);
+        out += (i ? ", " : "") + (it != p.names.end() ? it->second : "%" + std::to_string(ids[i]));
+      }
+      return out;
+    };
+    s << "  per row of each tensor's matrix view: " << layout.row_reductions << " reductions, " << layout.row_values
+      << " row values (" << names(row_derived) << ")\n";
+    s << "  per column: " << layout.col_reductions << " reductions (partials per chunk), " << layout.col_values
+      << " column values (" << names(col_derived) << ")\n";
+  }
   return s.str();
 }
 
@@ -371,10 +493,11 @@ std::string print_ir(const Program& p, const std::vector<ValueKind>* kinds) {
     if (n.op == Op::Hyper) s << " " << p.hypers.at(static_cast<size_t>(n.index)).qualified;
     if (n.op == Op::Global) s << " " << global_name(n.index);
     if (n.op == Op::UniformState) s << " " << p.uniform_states.at(static_cast<size_t>(n.index)).qualified;
+    if (n.op == Op::Shape) s << " " << (n.index == 0 ? "numel" : n.index == 1 ? "rows" : n.index == 2 ? "cols" : "is_matrix");
     if (op_is_reduction(n.op) && reduction_scope(n) != Scope::Global) s << " [" << scope_name(reduction_scope(n)) << "]";
     for (int k = 0; k < op_arity(n.op); ++k) s << (k ? ", %" : " %") << n.in[k];
     std::string note;
-    if (kinds) note += (*kinds)[i] == ValueKind::Element ? "element" : (*kinds)[i] == ValueKind::Tensor ? "tensor" : "uniform";
+    if (kinds) note += value_kind_name((*kinds)[i]);
     auto it = p.names.find(static_cast<NodeId>(i));
     if (it != p.names.end()) note += (note.empty() ? "" : " ") + it->second;
     if (static_cast<NodeId>(i) == p.param_out) note += " -> param";

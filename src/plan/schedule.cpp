@@ -13,10 +13,13 @@ std::vector<ScheduleStep> make_schedule(const Plan& plan) {
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     const int p = static_cast<int>(i);
     s.push_back({K::Scalar, p});
+    if (plan.matrix()) s.push_back({K::Values, p});
     s.push_back({K::Pass, p});
     if (plan.phases[i].kind == ElementPhase::Kind::Reduce) {
       s.push_back({K::Exchange, p});
       s.push_back({K::Combine, p});
+    } else if (plan.matrix()) {
+      s.push_back({K::Commit, p});
     }
   }
   return s;
@@ -47,11 +50,18 @@ std::string describe_schedule(const Plan& plan) {
         o << "combine " << st.phase << ":";
         for (NodeId r : ph.reductions) {
           const Node& n = g.node(r);
-          o << " " << op_name(n.op) << (reduction_scope(n) == Scope::Global ? "/global" : "/tensor");
+          o << " " << op_name(n.op) << "/" << scope_name(reduction_scope(n));
         }
         o << " in chunk order\n";
         break;
       }
+      case ScheduleStep::Kind::Values:
+        o << "values " << st.phase << ": " << plan.layout.row_values << " row and " << plan.layout.col_values
+          << " column value(s) per row / column for pass " << st.phase << ", and their per-tensor sums\n";
+        break;
+      case ScheduleStep::Kind::Commit:
+        o << "commit " << st.phase << ": row and column states take their new values (groups not skipped)\n";
+        break;
     }
   }
   return o.str();

@@ -6,6 +6,7 @@
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
 #include "rules/builtin_rules.h"
+#include "rules/factored_rules.h"
 #include "rules/layerwise_rules.h"
 #include "rules/suggest.h"
 #include "spec/spec_parser.h"
@@ -43,6 +44,9 @@ const char* kind_name(ArgValue::Kind k) {
   }
   return "?";
 }
+
+// torch.finfo(torch.float32).eps: Adafactor's eps1 when torch's is None (float32 parameters).
+constexpr double kFloat32Eps = 1.1920928955078125e-07;
 
 const std::vector<Param> kAdamParams = {{"lr", 1e-3},           {"betas", {0.9, 0.999}},
                                         {"eps", 1e-8},          {"weight_decay", 0.0},
@@ -305,6 +309,22 @@ const std::map<std::string, Builtin>& registry() {
           c.push_back(rules::scale_by_rprop(a.num("lr"), a.pair("etas", 0), a.pair("etas", 1), a.pair("step_sizes", 0),
                                             a.pair("step_sizes", 1)));
           c.push_back(rules::scale(-1.0));
+          return c;
+        }}},
+      {"scale_by_adafactor",
+       {{{"lr", 1e-2}, {"beta2_decay", -0.8}, {"eps1", kFloat32Eps}, {"eps2", 1e-3}, {"d", 1.0}},
+        [](const Resolved& a) {
+          return Chain{rules::scale_by_adafactor(a.num("lr"), a.num("beta2_decay"), a.num("eps1"), a.num("eps2"), a.num("d"))};
+        }}},
+      {"adafactor",
+       {{{"lr", 1e-2}, {"beta2_decay", -0.8}, {"eps", {kFloat32Eps, 1e-3}}, {"d", 1.0}, {"weight_decay", 0.0},
+         {"maximize", false}},
+        [](const Resolved& a) {
+          Chain c = maximize_and_l2(a, false);
+          c.push_back(rules::scale_by_adafactor(a.num("lr"), a.num("beta2_decay"), a.pair("eps", 0), a.pair("eps", 1),
+                                                a.num("d")));
+          // torch: param.mul_(1 - lr * weight_decay) before the update is added
+          if (a.num("weight_decay") != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
           return c;
         }}},
       {"asgd",

@@ -59,6 +59,27 @@ Rule& Rule::state(const std::string& name, double init) {
   return *this;
 }
 
+Rule& Rule::row_state(const std::string& name, double init) {
+  state(name, init);
+  states_.back().shape = StateShape::Rows;
+  return *this;
+}
+
+Rule& Rule::col_state(const std::string& name, double init) {
+  state(name, init);
+  states_.back().shape = StateShape::Cols;
+  return *this;
+}
+
+const char* state_shape_name(StateShape s) {
+  switch (s) {
+    case StateShape::Full: return "full";
+    case StateShape::Rows: return "rows";
+    case StateShape::Cols: return "columns";
+  }
+  return "?";
+}
+
 Rule& Rule::state_from_param(const std::string& name) {
   state(name, 0);
   states_.back().from_param = true;
@@ -150,6 +171,7 @@ static Expr leaf(Graph& g, Op op, int32_t index = -1) {
 Expr RuleBuilder::param() { return param_; }
 Expr RuleBuilder::update() { return incoming_; }
 Expr RuleBuilder::step() { return leaf(p_.graph, Op::Step); }
+Expr RuleBuilder::shape(ShapeItem item) { return tensor_shape(p_.graph, item); }
 Expr RuleBuilder::global(GlobalSlot slot) { return leaf(p_.graph, Op::Global, slot); }
 Expr RuleBuilder::constant(double v) { return optfuse::constant(p_.graph, v); }
 
@@ -304,7 +326,10 @@ Program build_program(const Chain& chain, const Precision& precision) {
   for (const Rule& r : chain) {
     int n = ++uses[r.name()];
     std::string prefix = n == 1 ? r.name() : r.name() + "#" + std::to_string(n);
-    for (auto& s : r.states()) p.states.push_back({r.name(), s.name, prefix + "." + s.name, s.init, s.from_param});
+    for (auto& s : r.states()) {
+      p.states.push_back({r.name(), s.name, prefix + "." + s.name, s.init, s.from_param});
+      p.states.back().shape = s.shape;
+    }
     for (auto& h : r.hypers()) p.hypers.push_back({r.name(), h.name, prefix + "." + h.name, h.value, h.range});
     for (auto& u : r.uniform_states()) p.uniform_states.push_back({r.name(), u.name, prefix + "." + u.name, u.init});
     p.chain_text += (p.chain_text.empty() ? "" : ", ") + r.signature();

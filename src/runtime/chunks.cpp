@@ -1,16 +1,27 @@
 #include "runtime/chunks.h"
 
+#include <algorithm>
+#include <climits>
+#include <string>
+
 #include "optfuse/error.h"
 
 namespace optfuse {
 
-std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems) {
+std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows) {
   if (chunk_elems <= 0) throw Error("chunk size must be positive");
   std::vector<Chunk> chunks;
   for (size_t t = 0; t < tensors.size(); ++t) {
     int64_t n = tensors[t].param.numel;
-    for (int64_t b = 0; b < n; b += chunk_elems) {
-      int64_t len = n - b < chunk_elems ? n - b : chunk_elems;
+    int64_t size = chunk_elems;
+    if (whole_rows) {
+      const int64_t cols = tensors[t].cols > 0 ? tensors[t].cols : 1;
+      size = cols * std::max<int64_t>(1, chunk_elems / cols);
+      if (size > INT32_MAX) throw Error("tensor " + std::to_string(t) + ": a row of " + std::to_string(cols) +
+                                        " columns is longer than a chunk can be (2^31 - 1 elements)");
+    }
+    for (int64_t b = 0; b < n; b += size) {
+      int64_t len = n - b < size ? n - b : size;
       chunks.push_back({b, static_cast<int32_t>(t), static_cast<int32_t>(len)});
     }
   }

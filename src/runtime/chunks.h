@@ -18,7 +18,9 @@ struct Chunk {
 };
 static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it 16 bytes");
 
-std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems);
+// whole_rows (matrix plans): every chunk holds whole rows of its tensor's matrix view
+// (TensorRef::cols): max(1, chunk_elems / cols) of them, so a row longer than chunk_elems is a chunk.
+std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows = false);
 
 // Each tensor's chunks are contiguous in the list: where they start and how many there are.
 struct ChunkRange {

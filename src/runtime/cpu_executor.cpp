@@ -27,6 +27,10 @@ using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long fir
 class CpuExecutor : public HostExecutor {
  public:
   explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), optfuse::chunk_elements(Backend::cpu)), variants_(default_variants(plan_)) {
+    if (plan_.matrix()) {  // no generated loop for row and column values yet: the float32 interpreter
+      status_ = "interpreted in float32 (plans with row or column values have no generated CPU loop yet)";
+      return;
+    }
     std::string why;
     if (!host::find_compiler(&why)) {
       static std::once_flag once;
@@ -87,9 +91,10 @@ class CpuExecutor : public HostExecutor {
     const ElementPhase& ph = plan_.phases[index];
     int64_t n = static_cast<int64_t>(chunks_.size());
     if (fns_.empty()) {
+      MatrixTables* m = matrix();  // chunks write disjoint rows and column partials
       default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
         run_element_phase<float>(plan_, ph, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
-                                 table_.data(), groups_, tensor_reductions_, partials_);
+                                 table_.data(), groups_, tensor_reductions_, partials_, m);
       });
       return;
     }
@@ -109,6 +114,10 @@ class CpuExecutor : public HostExecutor {
                 phase_partials_.begin() + static_cast<std::ptrdiff_t>((k + 1) * chunks_.size()),
                 partials_[slot].begin());
     }
+  }
+
+  void run_values(size_t index) override {
+    run_values_step<float>(plan_, index, tensors_, table_.data(), groups_, tensor_reductions_, matrix_);
   }
 
  private:

@@ -52,10 +52,11 @@ void HostExecutor::write_uniform_state(int group, int slot, double value) {
 
 void HostExecutor::set_tensors(const std::vector<TensorRef>& tensors) {
   tensors_ = tensors;
-  chunks_ = build_chunks(tensors_, chunk_elems_);
+  chunks_ = build_chunks(tensors_, chunk_elems_, plan_.matrix());
   partials_.assign(plan_.reductions.size(), std::vector<double>(chunks_.size(), 0.0));
   tensor_reductions_.assign(tensors_.size() * static_cast<size_t>(plan_.layout.tensor_reductions), 0.0);
   spans_ = chunk_ranges(tensors_.size(), chunks_);
+  if (plan_.matrix()) matrix_.build(plan_, tensors_, spans_);
 }
 
 void HostExecutor::set_exchange(const ShardMap& map, ExchangeFn fn) {
@@ -92,7 +93,7 @@ void HostExecutor::combine(int phase) {
                      global_chunks_, table_.data(), tensor_reductions_);
   } else {
     combine_partials(plan_, static_cast<size_t>(phase), [&](size_t r) { return partials_[r].data(); }, spans_,
-                     static_cast<int64_t>(chunks_.size()), table_.data(), tensor_reductions_);
+                     static_cast<int64_t>(chunks_.size()), table_.data(), tensor_reductions_, matrix());
   }
 }
 
@@ -113,6 +114,8 @@ void HostExecutor::step(const StepInputs& in) {
       case ScheduleStep::Kind::Pass: run_phase(static_cast<size_t>(st.phase)); break;
       case ScheduleStep::Kind::Exchange: exchange(st.phase); break;
       case ScheduleStep::Kind::Combine: combine(st.phase); break;
+      case ScheduleStep::Kind::Values: run_values(static_cast<size_t>(st.phase)); break;
+      case ScheduleStep::Kind::Commit: commit_matrix_states(plan_, tensors_, table_.data(), groups_, matrix_); break;
     }
   }
 }
@@ -127,7 +130,10 @@ class ReferenceExecutor : public HostExecutor {
  protected:
   void run_phase(size_t index) override {
     run_element_phase<double>(plan_, plan_.phases[index], tensors_, chunks_, 0, chunks_.size(), table_.data(),
-                              groups_, tensor_reductions_, partials_);
+                              groups_, tensor_reductions_, partials_, matrix());
+  }
+  void run_values(size_t index) override {
+    run_values_step<double>(plan_, index, tensors_, table_.data(), groups_, tensor_reductions_, matrix_);
   }
 };
 

@@ -6,6 +6,7 @@
 
 #include "runtime/chunks.h"
 #include "runtime/executor.h"
+#include "runtime/matrix_tables.h"
 
 namespace optfuse {
 
@@ -27,6 +28,10 @@ class HostExecutor : public Executor {
  protected:
   // Runs element phase `index` over all chunks, filling partials_ for reduce phases.
   virtual void run_phase(size_t index) = 0;
+  // The Values step before pass `index` of a matrix plan (run_values_step in the backend's precision).
+  virtual void run_values(size_t index) = 0;
+  // The matrix tables a phase reads and writes: null unless the plan is a matrix plan.
+  MatrixTables* matrix() { return plan_.matrix() ? &matrix_ : nullptr; }
 
   PlanPtr plan_ptr_;
   const Plan& plan_;  // *plan_ptr_, which this executor keeps alive
@@ -39,6 +44,7 @@ class HostExecutor : public Executor {
   std::vector<std::vector<double>> partials_;  // [reduction][chunk]
   std::vector<double> tensor_reductions_;      // [tensor][per-tensor reduction slot]
   std::vector<ChunkRange> spans_;              // per tensor, its chunks in chunks_
+  MatrixTables matrix_;                        // matrix plans: row and column tables
 
  private:
   void exchange(int phase);

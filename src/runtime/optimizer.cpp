@@ -5,6 +5,7 @@
 
 #include "optfuse/error.h"
 #include "runtime/executor.h"
+#include "runtime/matrix_tables.h"
 
 namespace optfuse {
 
@@ -202,12 +203,26 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     check_dtype(where, "parameter", r.param, true, nullptr);
     check_buffer(where, "gradient", r.grad, r.param);
     check_dtype(where, "gradient", r.grad, false, nullptr);
+    if (r.cols < 0 || (r.cols > 0 && r.param.numel % r.cols != 0))
+      throw Error(where + "a matrix view of " + std::to_string(r.cols) + " columns does not divide its " +
+                  std::to_string(r.param.numel) + " elements");
     if (r.states.size() != nstates)
       throw Error(where + std::to_string(r.states.size()) + " state buffers given but the chain has " +
                   std::to_string(nstates));
     for (size_t s = 0; s < nstates; ++s) {
       const std::string what = "state " + prog.states[s].qualified;
-      check_buffer(where, what, r.states[s], r.param);
+      if (prog.states[s].shape == StateShape::Full) {
+        check_buffer(where, what, r.states[s], r.param);
+      } else {  // one value per row or column of the matrix view
+        const int64_t want = state_numel(r, prog.states[s].shape);
+        if (r.states[s].numel != want)
+          throw Error(where + what + " holds one value per " + state_shape_name(prog.states[s].shape) + " of the " +
+                      std::to_string(matrix_view(r).rows) + " x " + std::to_string(matrix_view(r).cols) +
+                      " matrix view: " + std::to_string(want) + " elements, got " + std::to_string(r.states[s].numel));
+        if (want > 0 && r.states[s].data == nullptr) throw Error(where + what + " has no data pointer");
+        if (r.states[s].stochastic_rounding)
+          throw Error(where + what + ": stochastic rounding is for full-size states, not per-row or per-column ones");
+      }
       check_dtype(where, what, r.states[s], true, &prog.states[s]);
     }
     check_precision(where, prog.precision, r.param);
@@ -294,6 +309,9 @@ void Optimizer::set_exchange(const ShardMap& map, ExchangeFn fn) {
   live();
   if (!fn) return exec_->set_exchange({}, nullptr);
   const std::string where = "set_exchange: ";
+  if (plan_->matrix())
+    throw Error(where + "plans with row or column values (" + plan_->program.chain_text +
+                ") cannot be sharded yet: their chunks hold whole rows and their column sums are not exchanged");
   if (map.tensors.size() != tensors_.size())
     throw Error(where + std::to_string(map.tensors.size()) + " chunk spans given for " + std::to_string(tensors_.size()) +
                 " tensors (call it after set_tensors)");

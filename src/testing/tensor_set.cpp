@@ -26,21 +26,35 @@ HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& sp
     : specs_(specs), storage_(storage) {
   size_t roles = 2 + plan.program.states.size();
   if (storage.size() != roles) throw Error("HostTensorSet: the storage variant has the wrong number of roles");
+  shapes_.assign(roles, StateShape::Full);
+  for (size_t r = 2; r < roles; ++r) shapes_[r] = plan.program.states[r - 2].shape;
   std::mt19937_64 rng(seed);
   std::normal_distribution<double> normal(0.0, 1.0);
-  for (const TensorSpec& s : specs) {
+  for (size_t ti = 0; ti < specs.size(); ++ti) {
     std::vector<std::vector<uint8_t>> t(roles);
+    data_.emplace_back();
     for (size_t r = 0; r < roles; ++r) {
       const DType d = storage[r].dtype;
-      t[r].resize(static_cast<size_t>(s.numel) * dtype_size(d));
+      const int64_t n = numel(ti, r);
+      t[r].resize(static_cast<size_t>(n) * dtype_size(d));
       const ProgramState* st = r >= 2 ? &plan.program.states[r - 2] : nullptr;
-      for (int64_t i = 0; i < s.numel; ++i) {
+      for (int64_t i = 0; i < n; ++i) {
         double v = st == nullptr ? normal(rng) : st->init;
         if (st != nullptr && st->init_from_param) v = load_element(t[0].data(), storage[0].dtype, i);
         store_element(t[r].data(), d, i, v);
       }
     }
-    data_.push_back(std::move(t));
+    data_.back() = std::move(t);
+  }
+}
+
+int64_t HostTensorSet::numel(size_t tensor, size_t role) const {
+  const TensorSpec& s = specs_.at(tensor);
+  const int64_t cols = s.cols > 0 ? s.cols : 1;
+  switch (shapes_.at(role)) {
+    case StateShape::Rows: return s.numel / cols;
+    case StateShape::Cols: return cols;
+    default: return s.numel;
   }
 }
 
@@ -49,12 +63,13 @@ std::vector<TensorRef> HostTensorSet::refs() {
   for (size_t t = 0; t < specs_.size(); ++t) {
     TensorRef r;
     auto buf = [&](size_t role) {
-      return Buffer{data_[t][role].data(), specs_[t].numel, storage_[role].dtype, storage_[role].stochastic};
+      return Buffer{data_[t][role].data(), numel(t, role), storage_[role].dtype, storage_[role].stochastic};
     };
     r.param = buf(0);
     r.grad = buf(1);
     for (size_t role = 2; role < data_[t].size(); ++role) r.states.push_back(buf(role));
     r.group = specs_[t].group;
+    r.cols = specs_[t].cols;
     r.rng_key = t + 1;
     out.push_back(r);
   }
@@ -75,9 +90,9 @@ double HostTensorSet::value(size_t tensor, size_t role, int64_t i) const {
 double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b) {
   double worst = 0;
   for (size_t t = 0; t < b.size(); ++t) {
-    int64_t n = b.specs()[t].numel;
     for (size_t r = 0; r < b.num_roles(); ++r) {
       if (r == 1) continue;  // gradients are inputs
+      const int64_t n = b.numel(t, r);
       // Below a 16-bit format's smallest normal its spacing is constant (float16: 2^-24 under 2^-14),
       // so a role whose values are all subnormal is measured against the smallest normal: one
       // subnormal ulp is then 2^-10, not a multiple of the role's (tiny) scale.

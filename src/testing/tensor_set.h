@@ -12,6 +12,7 @@ namespace optfuse::testing {
 struct TensorSpec {
   int64_t numel;
   int group = 0;
+  int64_t cols = 0;  // the matrix view (TensorRef::cols): Rows / Cols states get one value per row / column
 };
 
 class HostTensorSet {
@@ -34,9 +35,12 @@ class HostTensorSet {
   // role 0 param, 1 grad, 2+s state s
   std::vector<uint8_t>& bytes(size_t tensor, size_t role) { return data_[tensor][role]; }
   double value(size_t tensor, size_t role, int64_t i) const;
+  // Elements of a role of a tensor (a Rows / Cols state: its rows / columns).
+  int64_t numel(size_t tensor, size_t role) const;
 
  private:
   std::vector<TensorSpec> specs_;
+  std::vector<StateShape> shapes_;  // per role
   StorageVariant storage_;
   std::vector<std::vector<std::vector<uint8_t>>> data_;  // [tensor][role] bytes
 };

@@ -241,13 +241,20 @@ const char* kThreadSpecs[] = {"chain(clip_by_global_norm(1.0), adamw(lr=0.1))",
 // Many chunks (16384 elements each) so that threads really split the work.
 const std::vector<TensorSpec> kThreadSizes = {{300007, 0}, {65537, 1}, {3, 0}, {40000, 1}, {1, 1}};
 
+// Adafactor's rows and columns: matrix views of several chunks (column partials combined across
+// chunks), a row longer than a chunk, and tensors without a view.
+const char* kMatrixSpec = "adafactor(lr=0.1, weight_decay=0.1)";
+const std::vector<TensorSpec> kMatrixSizes = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 20000, 1, 20000}, {1, 1, 0}};
+
 std::string trajectory_bytes() {
   std::string out;
-  for (const char* spec : kThreadSpecs)
+  std::vector<const char*> specs(std::begin(kThreadSpecs), std::end(kThreadSpecs));
+  specs.push_back(kMatrixSpec);
+  for (const char* spec : specs)
     for (DType d : {DType::f32, DType::bf16}) {
       Optimizer opt(parse_chain(spec), Backend::cpu, 2);
       configure(opt);
-      HostTensorSet set(opt.plan(), kThreadSizes, d, 11);
+      HostTensorSet set(opt.plan(), spec == kMatrixSpec ? kMatrixSizes : kThreadSizes, d, 11);
       opt.set_tensors(set.refs());
       for (int s = 1; s <= 4; ++s) run_step(opt, set, CpuCase{spec}, s);
       for (size_t t = 0; t < set.size(); ++t)

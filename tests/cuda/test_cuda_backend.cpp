@@ -51,6 +51,9 @@ bool has_hyper(const Chain& c, const std::string& name) {
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   auto add = [&](const std::string& name, Chain c) {
+    // Plans with row or column values (Adafactor) have no CUDA loop yet: the backend refuses them
+    // (MatrixScope.CudaSaysItHasNoLoopYet in tests/cpu).
+    if (make_plan(c).matrix()) return;
     if (!has_hyper(c, "lr")) c = chain({c, make_builtin("scale_by_learning_rate", {{"lr", 1e-3}})});
     cases.push_back({name, c});
   };

@@ -39,6 +39,7 @@ The op acts on the tensors it is handed (functionalization may hand it copies); 
 points the tables back at the optimizer's own tensors. Whatever the traced check cannot vouch for
 (the first step, a rebuild, a closure, hooks) runs the eager step: one graph break.
 """
+import math
 import operator
 
 import torch
@@ -160,6 +161,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._watch = None
         self._watch_dtensors = False
         self._zero_later = None  # during a rebuild: new states to zero (_states_for)
+        self._private_states = WeakIdKeyDictionary()  # parameter -> {name: state torch does not save}
         self._steps = {}
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._sigs = []
@@ -651,16 +653,35 @@ class FusedOptimizer(torch.optim.Optimizer):
             return streams[id(p)]
         return (w + 1, 0)
 
+    def _state_key(self, p, name):
+        """Where the engine's state `name` of parameter p is kept: its key in self.state[p] (torch's
+        name for it), or None for a state torch's format has no key for (kept in
+        self._private_states, never saved)."""
+        return name
+
+    def _state_shape(self, p, name):
+        """The shape of state `name` of p (contiguous), or None: the parameter's shape and layout."""
+        return None
+
     def _states_for(self, p, st, engine, prec):
         if self._step_in_state and "step" not in st:
             st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
         out = []
         for name, init, (from_param, fixed) in zip(engine.state_names, engine.state_inits, engine.state_storage):
             dtype = fixed or _state_dtype(prec, p, name)
-            t = st.get(name)
-            fresh = t is None  # made below in the parameter's layout and the role's dtype
+            key, shape = self._state_key(p, name), self._state_shape(p, name)
+            home = st if key is not None else self._private_states.setdefault(p, {})
+            key = name if key is None else key
+
+            def new():  # in the parameter's layout (or the state's own shape) and the role's dtype
+                if shape is None:
+                    return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                return torch.empty(shape, dtype=dtype, device=p.device)
+
+            t = home.get(key)
+            fresh = t is None
             if fresh:
-                t = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                t = new()
                 if from_param:
                     with torch.no_grad():  # a state, never part of the autograd graph
                         t.copy_(p)  # a master copy starts as the parameter
@@ -671,16 +692,20 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 if _dtensor.is_dtensor(p) and not _dtensor.is_dtensor(t):
                     t = _dtensor.as_state(t, p)  # a plain tensor from a state dict saved without FSDP2
-            if not fresh and (
-                    t.dtype != dtype or t.device != p.device or t.shape != p.shape or t.stride() != p.stride()
-                    or _dtensor.local(t).stride() != _dtensor.local(p).stride()):
+            wrong_layout = (t.shape != p.shape or t.stride() != p.stride()
+                            or _dtensor.local(t).stride() != _dtensor.local(p).stride()) if shape is None else (
+                tuple(t.shape) != tuple(shape) or not t.is_contiguous())
+            if not fresh and (t.dtype != dtype or t.device != p.device or wrong_layout):
                 # A state of another dtype or layout (a torch state dict, a changed state_dtype):
                 # converted once into the layout and dtype the kernel steps.
-                converted = torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                if shape is not None and t.numel() != math.prod(shape):
+                    raise OptfuseError(f"{type(self).__name__}: state '{key}' of the parameter of shape "
+                                       f"{tuple(p.shape)} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+                converted = new()
                 with torch.no_grad():
-                    converted.copy_(t)
+                    converted.copy_(t.reshape(converted.shape) if shape is not None else t)
                 t = converted
-            st[name] = t
+            home[key] = t
             out.append(t)
         return out
 

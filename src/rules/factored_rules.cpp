@@ -1,0 +1,40 @@
+// Adafactor as torch.optim.Adafactor (torch 2.5+) writes it, operation by operation where float32
+// rounding depends on it. A matrix (a parameter with a matrix view: torch's grad.dim() > 1) keeps
+// one second-moment value per row and per column; a vector has no view and is one column of numel
+// rows, so its per-row state is torch's full-size `variance` and the same rule serves both
+// (is_matrix picks the estimate). The norms are per-tensor reductions, the row and column means
+// row and column reductions, the mean of the new row state a per-tensor sum of row values.
+#include "rules/factored_rules.h"
+
+namespace optfuse::rules {
+
+Rule scale_by_adafactor(double lr, double beta2_decay, double eps1, double eps2, double d) {
+  Rule r("scale_by_adafactor");
+  r.hyper("lr", lr, Range::non_negative()).hyper("beta2_decay", beta2_decay, Range{-1e308, 0, false, false});
+  r.hyper("eps1", eps1, Range::non_negative()).hyper("eps2", eps2, Range::non_negative());
+  r.hyper("d", d, Range{1, 1e308, false, false});
+  r.row_state("row_var").col_state("col_var");
+  return r.update([](RuleBuilder& b) {
+    Expr g = b.update(), p = b.param(), t = b.step();
+    Expr numel = b.shape(ShapeItem::Numel), rows = b.shape(ShapeItem::Rows), cols = b.shape(ShapeItem::Cols);
+    Expr eps1 = b.hyper("eps1");
+    // Uniform (float64, as torch's Python floats): 1 - beta2_t and the relative step size.
+    Expr one_minus_beta2 = b.name(pow(t, b.hyper("beta2_decay")), "one_minus_beta2");
+    Expr rho = b.name(min(b.hyper("lr"), 1.0 / sqrt(t)), "rho");
+    // Per tensor: alpha = max(eps2, RMS(param)) * rho, from the parameter before this step.
+    Expr alpha = b.name(max(b.hyper("eps2"), sqrt(tensor_sum_of_squares(p)) / sqrt(numel)) * rho, "alpha");
+    // Per row and per column (float32): the means of g^2, lerped into the factored moments.
+    Expr row_var = b.name(lerp(b.state("row_var"), row_sum_of_squares(g) / cols, one_minus_beta2), "row_var_new");
+    Expr col_var = b.name(lerp(b.state("col_var"), col_sum_of_squares(g) / rows, one_minus_beta2), "col_var_new");
+    b.set_state("row_var", row_var);
+    b.set_state("col_var", col_var);
+    Expr row_mean = b.name(max(tensor_sum(row_var) / rows, eps1), "row_var_mean");
+    Expr factored = b.name((row_var * col_var) / row_mean, "var_estimate");
+    Expr var = select(b.shape(ShapeItem::IsMatrix), factored, row_var);  // a vector's rows are its elements
+    Expr update = b.name(rsqrt(max(var, eps1 * eps1)) * g, "adafactor_update");
+    Expr denom = b.name(max(sqrt(tensor_sum_of_squares(update)) / (sqrt(numel) * b.hyper("d")), 1.0), "clip_denom");
+    return update * -(alpha / denom);
+  });
+}
+
+}  // namespace optfuse::rules
