@@ -5,6 +5,7 @@ turn a running torch optimizer into its fused equivalent.
     import optfuse.torch
     opt = optfuse.torch.AdamW(model.parameters(), lr=3e-4)
 """
+from ._adafactor import Adafactor  # noqa: F401
 from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
@@ -13,5 +14,5 @@ from ._schedule_free import AdamWScheduleFree  # noqa: F401
 from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, NAdam, RAdam,  # noqa: F401
                           RMSprop, Rprop)
 
-__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Lion", "AdEMAMix",
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Adafactor", "Lion", "AdEMAMix",
            "AdamWScheduleFree", "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]

@@ -76,6 +76,8 @@ class Engine:
         self.state_storage = [(from_param, _DTYPE_NAMES[fixed] if fixed else None)
                               for from_param, fixed in self.core.state_storage]
         self.hyper_names = set(self.core.hyper_short_names) | set(self.core.hyper_names)
+        # Row and column states (Adafactor): each parameter's matrix view is its last dimension
+        self.matrix = self.core.plan.matrix
         # uniform states: (short name, init value) per slot, in the core's order
         self.uniform_state_specs = [(name, init) for name, _, init in self.core.uniform_state_specs]
         self.params = []    # parameters in table order
@@ -125,6 +127,7 @@ class Engine:
                 self.core.set_uniform_state(gi, name, float(value))
             self._push(gi, hypers_of_torch_group(tg))
         ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys, rng_offsets = [], [], [], [], [], [], [], [], []
+        cols = []  # matrix plans: each parameter's last dimension (0: a vector, no matrix view)
         for e in entries:
             p, g, states, tg, step, widx, stochastic, rng = e[:8]
             gi = keys[(tg, step, ustates_of(e))]
@@ -138,6 +141,8 @@ class Engine:
             ptrs_g.append(g.data_ptr())
             ptrs_s.extend(s.data_ptr() for s in states)
             numels.append(p.numel())
+            if self.matrix:
+                cols.append(p.shape[-1] if p.dim() > 1 else 0)
             roles = [p, g] + list(states)
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)
             rounding.extend(k != 1 and stochastic[min(k, 1)] and t.dtype in (torch.float16, torch.bfloat16)
@@ -148,7 +153,8 @@ class Engine:
             groups.append(gi)
         device_id = self.device.index if self.device.type == "cuda" else -1
         self.core._set_tensors_raw(ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups,
-                                   -1 if device_id is None else device_id, self.indices, rounding, rng_keys, rng_offsets)
+                                   -1 if device_id is None else device_id, self.indices, rounding, rng_keys, rng_offsets,
+                                   cols)
 
     def _push(self, gi, hypers):
         done = self.pushed.setdefault(gi, {})
