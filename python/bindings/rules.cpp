@@ -203,7 +203,13 @@ std::string generate_source(const Plan& plan, const std::string& backend) {
 
 // Exactly what `optfuse explain SPEC [--backend B] [--no-source]` prints (tools/explain_command.cpp).
 std::string explain_text(const Plan& plan, const std::string& backend, bool source) {
-  std::string src = generate_source(plan, backend);
+  std::string src;
+  try {
+    src = generate_source(plan, backend);
+  } catch (const Error& e) {
+    if (!plan.matrix()) throw;
+    src = std::string("(none: ") + e.what() + ")\n";  // no generated loop yet: as the CLI says it
+  }
   std::ostringstream o;
   o << "== chain\n" << plan.program.chain_text << "\n\n== passes\n";
   for (const auto& line : plan.pass_log) o << "  " << line << "\n";

@@ -220,16 +220,20 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _adjust_step(self, state, step, engine):
         return step
 
+    def _check_param(self, p):
+        """Refuses a parameter the kernels cannot step, when it is added."""
+        if torch.is_complex(p):
+            raise OptfuseError(f"{type(self).__name__}: complex parameters are not supported (shape {tuple(p.shape)})")
+        if dtype_code(p) is None:
+            raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
+                               f"{p.dtype} (shape {tuple(p.shape)})")
+
     # --- torch.optim.Optimizer API
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
-            if torch.is_complex(p):
-                raise OptfuseError(f"{type(self).__name__}: complex parameters are not supported (shape {tuple(p.shape)})")
-            if dtype_code(p) is None:
-                raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
-                                   f"{p.dtype} (shape {tuple(p.shape)})")
+            self._check_param(p)
         _check_precision_options(type(self).__name__, group)
         _host_view(group)  # CUDA-tensor hyperparameters read now, not when the first step is queued
         if group.get("differentiable", False):

@@ -1,0 +1,133 @@
+"""optfuse.torch.Adafactor against torch.optim.Adafactor (torch's optim_db grid runs in
+test_optim_db.py): the training loop with new gradients every step and a scheduler, state dicts
+both ways, matrices and vectors in one chain, bitwise-repeatable steps, the refused inputs, and
+explain's schedule (3 passes, 24 bytes per element)."""
+import copy
+
+import pytest
+import torch
+
+import optfuse
+import optfuse.torch as oft
+from conftest import HAS_CUDA, make_model, rel_diff, train
+
+CPU = torch.device("cpu")
+
+
+def model_with_all_shapes(seed=0):
+    """Matrices (Linear weights, an embedding), vectors (biases) and a 0-dim scale."""
+    torch.manual_seed(seed)
+    m = torch.nn.ModuleDict({"emb": torch.nn.Embedding(11, 12), "lin": torch.nn.Linear(12, 24),
+                             "out": torch.nn.Linear(24, 5, bias=False)})
+    m.scale = torch.nn.Parameter(torch.tensor(0.5))
+    return m
+
+
+def loss(m, step):
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, 11, (16,), generator=g)
+    y = torch.randn(16, 5, generator=g)
+    h = torch.tanh(m["lin"](m["emb"](idx))) * m.scale
+    return torch.nn.functional.mse_loss(m["out"](h), y)
+
+
+def run(m, opt, steps, start=0, sched=None):
+    for s in range(start, start + steps):
+        opt.zero_grad()  # set_to_none: new gradient tensors every step
+        loss(m, s).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def max_rel(a, b):
+    return max(((p - q).abs().max() / q.abs().max().clamp_min(1e-30)).item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("kw", [{}, {"lr": 0.05, "weight_decay": 0.1}, {"maximize": True, "eps": (1e-6, 1e-2), "d": 2.0},
+                                {"beta2_decay": -0.5, "lr": torch.tensor(0.02)}], ids=str)
+def test_training_loop_matches_torch(kw):
+    ours_m, ref_m = model_with_all_shapes(), model_with_all_shapes()
+    ours = oft.Adafactor(ours_m.parameters(), **copy.deepcopy(kw))
+    ref = torch.optim.Adafactor(ref_m.parameters(), foreach=False, **copy.deepcopy(kw))
+    s1 = torch.optim.lr_scheduler.StepLR(ours, step_size=7, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(ref, step_size=7, gamma=0.5)
+    run(ours_m, ours, 30, sched=s1)
+    run(ref_m, ref, 30, sched=s2)
+    assert max_rel(ours_m, ref_m) <= 1e-6
+    assert max_rel(ref_m, model_with_all_shapes()) > 1e-3  # it moved
+    a, b = ours.state_dict()["state"], ref.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for i in b:
+        assert a[i].keys() == b[i].keys(), (i, sorted(a[i]), sorted(b[i]))  # row_var/col_var or variance
+        for k in b[i]:
+            assert a[i][k].shape == b[i][k].shape, (i, k)
+            scale = b[i][k].abs().max().clamp_min(1e-30)
+            assert ((a[i][k] - b[i][k]).abs().max() / scale).item() <= 1e-5, (i, k)
+
+
+@pytest.mark.parametrize("direction", ["torch_to_ours", "ours_to_torch"])
+def test_state_dict_loads_both_ways(direction):
+    first_m, second_m, ref_m = model_with_all_shapes(), model_with_all_shapes(), model_with_all_shapes()
+    make_first = (lambda p: torch.optim.Adafactor(p, lr=0.03)) if direction == "torch_to_ours" else (
+        lambda p: oft.Adafactor(p, lr=0.03))
+    make_second = (lambda p: oft.Adafactor(p, lr=0.03)) if direction == "torch_to_ours" else (
+        lambda p: torch.optim.Adafactor(p, lr=0.03))
+    first, ref = make_first(first_m.parameters()), torch.optim.Adafactor(ref_m.parameters(), lr=0.03)
+    run(first_m, first, 6)
+    run(ref_m, ref, 6)
+    second_m.load_state_dict(first_m.state_dict())
+    second = make_second(second_m.parameters())
+    second.load_state_dict(first.state_dict())
+    run(second_m, second, 6, start=6)
+    run(ref_m, ref, 6, start=6)
+    assert max_rel(second_m, ref_m) <= 1e-6
+
+
+def test_two_runs_are_bitwise_equal():
+    results = []
+    for _ in range(2):
+        m = model_with_all_shapes()
+        opt = oft.Adafactor(m.parameters(), lr=0.05, weight_decay=0.1)
+        run(m, opt, 5)
+        results.append([p.detach().clone() for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_parameters_of_more_than_two_dimensions_are_refused():
+    conv = torch.nn.Conv2d(3, 4, 3)
+    with pytest.raises(oft.OptfuseError, match="more than 2 dimensions"):
+        oft.Adafactor(conv.parameters())
+
+
+def test_complex_parameters_fail_at_step_as_in_torch():
+    p = torch.randn(3, 4, dtype=torch.complex64, requires_grad=True)
+    opt = oft.Adafactor([p])
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match="Adafactor does not support complex parameters"):
+        opt.step()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a GPU: checks the CUDA backend's refusal")
+def test_cuda_parameters_are_refused_clearly():
+    model = make_model(torch.device("cuda"))
+    opt = oft.Adafactor(model.parameters())
+    with pytest.raises(oft.OptfuseError, match="no generated loop yet"):
+        train(model, opt, 1, torch.device("cuda"))
+
+
+def test_matches_the_mlp_of_the_other_drop_in_tests():
+    ours_m, ref_m = make_model(CPU), make_model(CPU)
+    train(ours_m, oft.Adafactor(ours_m.parameters(), lr=0.02), 20, CPU)
+    train(ref_m, torch.optim.Adafactor(ref_m.parameters(), lr=0.02, foreach=False), 20, CPU)
+    assert rel_diff(ours_m, ref_m) <= 1e-6
+
+
+def test_explain_shows_the_row_and_column_schedule():
+    text = optfuse.explain("adafactor(weight_decay=0.01)")
+    assert "3 pass(es) over memory" in text
+    assert "total bytes per element: 24" in text
+    assert "sum_squares/row sum_squares/column" in text
+    assert "values 0:" in text and "commit 2:" in text
+    assert "(none: the CPU backend has no generated loop yet" in text
