@@ -85,6 +85,18 @@ def test_state_dict_loads_both_ways(direction):
     assert max_rel(second_m, ref_m) <= 1e-6
 
 
+def test_fuse_takes_over_torch_mid_training():
+    ours_m, ref_m = model_with_all_shapes(), model_with_all_shapes()
+    opt, ref = torch.optim.Adafactor(ours_m.parameters(), lr=0.03), torch.optim.Adafactor(ref_m.parameters(), lr=0.03)
+    run(ours_m, opt, 4)
+    run(ref_m, ref, 4)
+    fused = oft.fuse(opt)
+    assert isinstance(fused, oft.Adafactor)
+    run(ours_m, fused, 6, start=4)
+    run(ref_m, ref, 6, start=4)
+    assert max_rel(ours_m, ref_m) <= 1e-6
+
+
 def test_two_runs_are_bitwise_equal():
     results = []
     for _ in range(2):

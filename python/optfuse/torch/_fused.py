@@ -6,6 +6,7 @@ import torch
 
 from .. import _core
 from ._base import FusedOptimizer, OptfuseError, _host_view, _with_unscale
+from ._adafactor import Adafactor
 from ._optimizers import ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, NAdam, RAdam, RMSprop, Rprop
 
 
@@ -72,6 +73,7 @@ _FUSABLE = {
     torch.optim.Adadelta: Adadelta,
     torch.optim.Rprop: Rprop,
     torch.optim.ASGD: ASGD,
+    torch.optim.Adafactor: Adafactor,
 }
 
 
@@ -88,7 +90,7 @@ def _third_party_drop_ins():
 
 def fuse(opt):
     """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, NAdam, Adamax, Adadelta,
-    Rprop or ASGD, or of a schedulefree.AdamWScheduleFree, mid-training:
+    Rprop, ASGD or Adafactor, or of a schedulefree.AdamWScheduleFree, mid-training:
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only).
 
