@@ -328,7 +328,10 @@ std::string CPrinter::tensor_function(size_t phase) const {
   const int limit = plan_.value_level_limit(plan_.phases.at(phase));
   std::ostringstream s;
   s << "\n// phase " << phase << ": values of one tensor (from its group's derived row and its reductions), float64 math\n";
-  s << "OF_FN void of_phase" << phase << "_tensor(const double* derived, const double* reductions, float* u) {\n";
+  // A matrix plan's tensor values may read the tensor's shape (Op::Shape): numel, rows, cols, is_matrix.
+  const bool shaped = plan_.matrix();
+  s << "OF_FN void of_phase" << phase << "_tensor(const double* derived, const double* reductions, "
+    << (shaped ? "const double* shape, " : "") << "float* u) {\n";
   std::set<NodeId> declared;
   for (size_t i = 0; i < g.size(); ++i) {
     if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit) continue;
@@ -336,6 +339,10 @@ std::string CPrinter::tensor_function(size_t phase) const {
     if (op_is_reduction(n.op)) {
       s << "  const double " << value_name(static_cast<NodeId>(i)) << " = reductions["
         << plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))] << "];\n";
+      continue;
+    }
+    if (n.op == Op::Shape) {
+      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = shape[" << n.index << "];\n";
       continue;
     }
     for (int k = 0; k < op_arity(n.op); ++k) {
@@ -350,7 +357,63 @@ std::string CPrinter::tensor_function(size_t phase) const {
   for (size_t k = 0; k < plan_.tensor_derived.size(); ++k)
     if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit)
       s << "  u[" << k << "] = (float)" << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k << "] of the element function\n";
-  s << "  (void)derived; (void)reductions; (void)u;\n}\n";
+  s << "  (void)derived; (void)reductions; (void)u;" << (shaped ? " (void)shape;" : "") << "\n}\n";
+  return s.str();
+}
+
+std::string CPrinter::line_function(size_t phase, bool cols) const {
+  const Program& p = plan_.program;
+  const Graph& g = p.graph;
+  const int limit = plan_.value_level_limit(plan_.phases.at(phase));
+  const ValueKind kind = cols ? ValueKind::Col : ValueKind::Row;
+  const char* what = cols ? "column" : "row";
+  const std::vector<NodeId>& outs = cols ? plan_.col_derived : plan_.row_derived;
+  std::ostringstream s;
+  s << "\n// phase " << phase << ": the values of one " << what << " (the Values step), float32 math: st[s] the "
+    << what << " state s, red[k] its " << what << " reduction k, out[k] its " << what << " value k; sums[k] gathers the\n"
+    << "// per-tensor sums (tensor_reductions slot k) of " << what << " values\n";
+  s << "OF_FN void of_phase" << phase << "_" << (cols ? "cols" : "rows")
+    << "(const float* u, const float* st, const double* red, float* out, double* sums) {\n";
+  std::set<NodeId> declared;
+  auto declare_input = [&](NodeId x) {
+    const ValueKind k = plan_.kind[static_cast<size_t>(x)];
+    if (k == kind || g.node(x).op == Op::Const || !declared.insert(x).second) return;
+    s << "  const float " << value_name(x) << " = u[" << plan_.derived_slot.at(x) << "];\n";
+  };
+  for (size_t i = 0; i < g.size(); ++i) {
+    const NodeId id = static_cast<NodeId>(i);
+    const Node& n = g.node(id);
+    if (plan_.kind[i] != kind || plan_.level[i] > limit) continue;
+    if (n.op == Op::State) {
+      s << "  const float " << value_name(id) << " = st[" << n.index << "];\n";
+    } else if (op_is_reduction(n.op)) {
+      s << "  const float " << value_name(id) << " = (float)red[" << plan_.reduction_area_slot[plan_.reduction_index(id)] << "];\n";
+    } else {
+      for (int k = 0; k < op_arity(n.op); ++k) declare_input(n.in[k]);
+      s << "  const float " << value_name(id) << " = " << expr(id, true) << ";\n";
+    }
+  }
+  for (size_t k = 0; k < outs.size(); ++k)
+    if (plan_.level[static_cast<size_t>(outs[k])] <= limit) {
+      const Node& n = g.node(outs[k]);
+      s << "  out[" << k << "] = " << (n.op == Op::Const ? literal(n.value, true) : value_name(outs[k])) << ";\n";
+    }
+  for (NodeId r : plan_.reductions) {
+    const Node& n = g.node(r);
+    if (!plan_.is_value_reduction(r) || plan_.kind[static_cast<size_t>(n.in[0])] != kind ||
+        plan_.level[static_cast<size_t>(r)] > limit)
+      continue;
+    const std::string x = "(double)" + value_name(n.in[0]);
+    const int slot = plan_.reduction_area_slot[plan_.reduction_index(r)];
+    if (n.op == Op::SumSquares) s << "  sums[" << slot << "] += " << x << " * " << x << ";\n";
+    else if (n.op == Op::Sum) s << "  sums[" << slot << "] += " << x << ";\n";
+    else {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, d_.is_finite, value_name(n.in[0]).c_str());
+      s << "  if (!" << buf << ") sums[" << slot << "] = 1.0;\n";
+    }
+  }
+  s << "  (void)u; (void)st; (void)red; (void)out; (void)sums;\n}\n";
   return s.str();
 }
 
@@ -359,6 +422,7 @@ std::string CPrinter::common_source() const {
   for (size_t i = 0; i < plan_.phases.size(); ++i) {
     s += scalar_function(i);
     if (plan_.layout.tensor_values > 0) s += tensor_function(i);
+    if (plan_.matrix()) s += line_function(i, false) + line_function(i, true);
     s += element_function(i);
   }
   return s;

@@ -12,7 +12,14 @@
 //     (sum of squares: += x*x in double; any-non-finite: = 1), whatever its scope.
 //   OF_FN void of_phase<i>_tensor(const double* derived, const double* reductions, float* u)
 //     (only when the plan has tensor values) one tensor's values for this phase, from its group's
-//     derived row and its row of per-tensor reductions, into u[k] = element u[D + k].
+//     derived row and its row of per-tensor reductions, into u[k] = element u[D + k]. A matrix plan's
+//     takes `const double* shape` (numel, rows, cols, is_matrix) before u.
+//   OF_FN void of_phase<i>_rows(const float* u, const float* st, const double* red, float* out, double* sums)
+//   OF_FN void of_phase<i>_cols(...)
+//     (matrix plans) the Values step for one row / column: its values of the levels phase i may
+//     read (out[k] = u[D + TV + k] of the element function for rows, u[D + TV + RV + k] for
+//     columns) from u (derived and tensor values), its old Rows / Cols states st[s] and its
+//     reductions red[k]; sums[slot] += its share of each per-tensor sum of row / column values.
 //   OF_FN void of_phase<i>_scalars(const double* hyper, double steps, const double* globals,
 //                                  const double* reductions, double* derived, double* skip, double* steps_out)
 //     one group's uniform values for this phase; hyper points at the group's row. The update
@@ -45,6 +52,8 @@ class CPrinter {
   std::string element_function(size_t phase) const;
   std::string scalar_function(size_t phase) const;
   std::string tensor_function(size_t phase) const;
+  // The Values step's function for one row (cols false) or one column of a matrix plan.
+  std::string line_function(size_t phase, bool cols) const;
   // Everything above for every phase, in order: what a driver puts before its loops.
   std::string common_source() const;
   int num_roles() const { return 2 + plan_.num_states(); }

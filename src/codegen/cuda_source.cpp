@@ -45,6 +45,7 @@
 #include "codegen/abi.h"
 #include "optfuse/error.h"
 #include "codegen/c_printer.h"
+#include "codegen/cuda_matrix_source.h"
 
 namespace optfuse {
 
@@ -211,27 +212,6 @@ __device__ __forceinline__ void of_combine_per_tensor(const double* partials, Sp
 }
 )";
 
-struct PhaseRoles {
-  std::vector<int> reads, writes, used;
-  bool read_only(int r) const { return std::find(writes.begin(), writes.end(), r) == writes.end(); }
-};
-
-PhaseRoles phase_roles(const ElementPhase& ph) {
-  PhaseRoles pr;
-  if (ph.reads_param) pr.reads.push_back(0);
-  if (ph.reads_grad) pr.reads.push_back(1);
-  for (int st : ph.reads_states) pr.reads.push_back(2 + st);
-  if (ph.kind == ElementPhase::Kind::Update) {
-    if (ph.writes_param) pr.writes.push_back(0);
-    for (int st : ph.writes_states) pr.writes.push_back(2 + st);
-  }
-  pr.used = pr.reads;
-  for (int r : pr.writes)
-    if (std::find(pr.used.begin(), pr.used.end(), r) == pr.used.end()) pr.used.push_back(r);
-  std::sort(pr.used.begin(), pr.used.end());
-  return pr;
-}
-
 // One group's uniform values for phase i, hyperparameters resolved from their sources.
 // ustate_out: where the final phase commits the group's uniform states (the table's row in the
 // last block; a scratch row in the prologue, where nothing may be committed).
@@ -254,7 +234,7 @@ std::string group_function(const Plan& plan, size_t i) {
   return s.str();
 }
 
-bool writes_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
+bool writes_stochastically(const CudaPhaseRoles& pr, const StorageVariant& v) {
   for (int r : pr.writes)
     if (v[static_cast<size_t>(r)].stochastic) return true;
   return false;
@@ -263,7 +243,7 @@ bool writes_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
 // Phase i's loop over one chunk of one tensor of storage variant k (concrete types per role).
 std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
   const ElementPhase& ph = plan.phases[i];
-  PhaseRoles pr = phase_roles(ph);
+  CudaPhaseRoles pr = cuda_phase_roles(ph);
   std::vector<std::string> roles = role_names(plan);
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
   auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
@@ -394,8 +374,11 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   bool update = ph.kind == ElementPhase::Kind::Update;
   const bool ustates = plan.layout.uniform_states_per_group > 0;
   size_t nred = ph.reductions.size();
+  const bool matrix = plan.matrix();
+  bool row_reds = false;
+  for (NodeId r : ph.reductions) row_reds = row_reds || reduction_scope(g.node(r)) == Scope::Row;
   bool stochastic = false;
-  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(phase_roles(ph), v);
+  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(cuda_phase_roles(ph), v);
   std::ostringstream s;
   s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, "
     << (stochastic ? "OF_MIN_BLOCKS_SR" : "OF_MIN_BLOCKS") << ") of_phase" << i
@@ -403,11 +386,13 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
        " double* __restrict__ table, int groups, double* __restrict__ partials,"
        " double* __restrict__ tensor_reductions, int num_tensors,"
        " const OfHyperSource* __restrict__ sources, const float* grad_scale, const float* found_inf,"
-       " unsigned* done_count, int combine_here) {\n"
+       " unsigned* done_count, int combine_here" << (matrix ? ", OfMatrixTables mt" : "") << ") {\n"
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
     << "  __shared__ double globals[2];\n"
     << "  __shared__ double scratch[OF_THREADS / 32];\n"
     << "  __shared__ int last_block;\n"
+    << (matrix && row_reds ? "  __shared__ double of_srow[OF_ROW_REDS_ARRAY * OF_MROWS * (OF_THREADS / 32)], of_racc[OF_ROW_REDS_ARRAY * OF_MROWS];\n"
+                           : matrix ? "  double* const of_srow = nullptr;\n  double* const of_racc = nullptr;\n" : "")
     << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
     << "    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
     << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n"
@@ -432,8 +417,11 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
                : "    {\n");
   s << "    float u[OF_VALUES_ARRAY];  // uniform inputs, rounded to float as they enter element math\n"
     << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n";
+  if (matrix)
+    s << "    const OfMatrix m = mt.m[ch.tensor];\n    double shape[4];\n    of_shape(t, m, shape);\n";
   if (plan.layout.tensor_values > 0)
-    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, u + OF_DERIVED);\n";
+    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, "
+      << (matrix ? "shape, " : "") << "u + OF_DERIVED);\n";
   s
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n";
   if (stochastic)  // the step being taken: the table's count is committed by the last block, after every chunk
@@ -442,7 +430,11 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     s << "    const unsigned long long rng = 0;\n";
   s << "    switch (t.variant) {\n";
   for (size_t k = 0; k < variants.size(); ++k)
-    s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng); break;\n";
+    if (matrix)
+      s << "      case " << k << ": of_phase" << i << "_v" << k
+        << "_mchunk(t, m, grad, ch.begin, ch.length, u, acc, rng, c - t.first_chunk, mt, of_srow, of_racc, scratch); break;\n";
+    else
+      s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) {
     bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
@@ -500,7 +492,8 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
     << "\n#define OF_HYPERS_ARRAY " << std::max(L.hypers_per_group, 1)
     << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
-    << std::max(L.derived_per_group, 1) << "\n#define OF_VALUES_ARRAY " << std::max(L.derived_per_group + L.tensor_values, 1)
+    << std::max(L.derived_per_group, 1) << "\n#define OF_VALUES_ARRAY "
+    << std::max(L.derived_per_group + L.tensor_values + L.row_values + L.col_values, 1)
     << "\n#define OF_TENSOR_REDUCTIONS " << L.tensor_reductions
     << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_USTATES " << L.uniform_states_per_group
     << "\n#define OF_THREADS "
@@ -509,10 +502,13 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     << "#ifndef OF_MIN_BLOCKS_SR\n#define OF_MIN_BLOCKS_SR 4\n#endif\n"
     << "#ifndef OF_CACHE_HINTS\n#define OF_CACHE_HINTS 0\n#endif\n"
     << pr.common_source() << abi_source() << scalar_layout_source(L) << kCudaDriverPrelude;
+  if (plan.matrix()) s << cuda_matrix_prelude(plan);
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);
-    for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k]);
+    for (size_t k = 0; k < variants.size(); ++k)
+      s << (plan.matrix() ? cuda_matrix_chunk_function(plan, i, k, variants[k]) : chunk_function(plan, i, k, variants[k]));
     s << element_kernel(plan, i, variants);
+    if (plan.matrix()) s << cuda_values_kernel(plan, i, variants);
   }
   return s.str();
 }
@@ -526,6 +522,7 @@ size_t cuda_uniform_shared_bytes(const Plan& plan, int groups) {
 std::vector<std::string> cuda_kernel_names(const Plan& plan) {
   std::vector<std::string> names;
   for (size_t i = 0; i < plan.phases.size(); ++i) names.push_back("of_phase" + std::to_string(i));
+  for (size_t i = 0; plan.matrix() && i < plan.phases.size(); ++i) names.push_back("of_values" + std::to_string(i));
   return names;
 }
 

@@ -8,7 +8,8 @@
 
 namespace optfuse {
 
-std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows) {
+std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows,
+                                int32_t max_rows) {
   if (chunk_elems <= 0) throw Error("chunk size must be positive");
   std::vector<Chunk> chunks;
   for (size_t t = 0; t < tensors.size(); ++t) {
@@ -16,7 +17,9 @@ std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t c
     int64_t size = chunk_elems;
     if (whole_rows) {
       const int64_t cols = tensors[t].cols > 0 ? tensors[t].cols : 1;
-      size = cols * std::max<int64_t>(1, chunk_elems / cols);
+      int64_t rows = std::max<int64_t>(1, chunk_elems / cols);
+      if (max_rows > 0 && cols > 1) rows = std::min<int64_t>(rows, max_rows);
+      size = cols * rows;
       if (size > INT32_MAX) throw Error("tensor " + std::to_string(t) + ": a row of " + std::to_string(cols) +
                                         " columns is longer than a chunk can be (2^31 - 1 elements)");
     }

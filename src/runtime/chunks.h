@@ -19,8 +19,11 @@ struct Chunk {
 static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it 16 bytes");
 
 // whole_rows (matrix plans): every chunk holds whole rows of its tensor's matrix view
-// (TensorRef::cols): max(1, chunk_elems / cols) of them, so a row longer than chunk_elems is a chunk.
-std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows = false);
+// (TensorRef::cols): max(1, chunk_elems / cols) of them, so a row longer than chunk_elems is a chunk;
+// at most max_rows (> 0) where the view has more than one column (the CUDA driver keeps a chunk's
+// row sums in shared memory).
+std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows = false,
+                                int32_t max_rows = 0);
 
 // Each tensor's chunks are contiguous in the list: where they start and how many there are.
 struct ChunkRange {

@@ -23,11 +23,13 @@
 #include <mutex>
 #include <sstream>
 
+#include "codegen/cuda_matrix_source.h"
 #include "codegen/cuda_source.h"
 #include "optfuse/error.h"
 #include "runtime/chunks.h"
 #include "runtime/cuda_api.h"
 #include "runtime/executor.h"
+#include "runtime/matrix_tables.h"
 #include "runtime/tensor_table.h"
 
 namespace optfuse {
@@ -35,6 +37,13 @@ namespace optfuse {
 namespace {
 
 const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: chunk_elements()
+
+// A matrix plan's tables on the device, passed by value to its kernels: the generated struct
+// OfMatrixTables (codegen/cuda_matrix_source.cpp) matches.
+struct DeviceMatrixTables {
+  uint64_t matrices = 0, row_reductions = 0, col_partials = 0, col_reductions = 0, row_values = 0, col_values = 0;
+};
+static_assert(sizeof(DeviceMatrixTables) == 48, "DeviceMatrixTables is shared with generated code (OfMatrixTables)");
 
 // Resident threads per SM by compute capability (the driver's occupancy tables).
 int max_threads_per_sm(int arch) {
@@ -214,6 +223,7 @@ class CudaExecutor : public Executor {
     for (cuda::DeviceBuffer* b : {&table_, &sources_, &tensor_table_, &chunks_, &partials_, &tensor_reductions_,
                                   &counters_, &global_partials_, &global_spans_})
       b->free_on(stream_);
+    for (cuda::DeviceBuffer& b : matrix_buffers_) b.free_on(stream_);
     for (cuda::DeviceBuffer& b : graph_tables_) b.free_on(stream_);
     for (auto& r : retired_) r.first.free_on(stream_);
   }
@@ -238,10 +248,11 @@ class CudaExecutor : public Executor {
     std::shared_ptr<const cuda::Module> module = cuda::shared_module(r.cubin);
     std::vector<CUfunction> fns;
     std::vector<int> regs, static_shared;
-    std::vector<CUfunction> combine_fns;
+    std::vector<CUfunction> combine_fns, value_fns;
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
       std::string name = "of_phase" + std::to_string(i);
       fns.push_back(module->function(name));
+      if (plan_.matrix()) value_fns.push_back(module->function("of_values" + std::to_string(i)));
       combine_fns.push_back(plan_.phases[i].reductions.empty() ? nullptr : module->function("of_combine" + std::to_string(i)));
       cuda::KernelResources res = module->resources(name);
       regs.push_back(res.registers);
@@ -250,6 +261,7 @@ class CudaExecutor : public Executor {
     module_ = std::move(module);
     fns_ = std::move(fns);
     combine_fns_ = std::move(combine_fns);
+    value_fns_ = std::move(value_fns);
     regs_ = std::move(regs);
     static_shared_ = std::move(static_shared);
     source_ = std::move(source);
@@ -350,8 +362,11 @@ class CudaExecutor : public Executor {
       }
     }
     variant_index_ = index;
-    const std::vector<Chunk> chunks = build_chunks(tensors, kChunkElems);
+    const std::vector<Chunk> chunks =
+        plan_.matrix() ? build_chunks(tensors, cuda_matrix_chunk_elements(), true, cuda_matrix_chunk_rows())
+                       : build_chunks(tensors, kChunkElems);
     ranges_ = chunk_ranges(tensors.size(), chunks);
+    if (plan_.matrix()) set_matrix_tables(tensors);
     words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
     cuda::DeviceBuffer table = cuda::DeviceBuffer::ordered(words_.size() * sizeof(uint64_t), stream_);
     cuda::DeviceBuffer chunk_buf = cuda::DeviceBuffer::ordered(chunks.size() * sizeof(Chunk), stream_);
@@ -376,7 +391,38 @@ class CudaExecutor : public Executor {
     compute_grid();
   }
 
-  int32_t chunk_elements() const override { return kChunkElems; }
+  int32_t chunk_elements() const override { return plan_.matrix() ? cuda_matrix_chunk_elements() : kChunkElems; }
+
+  // A matrix plan's tables for a new tensor set: the per-tensor layout and the Values step's items
+  // uploaded, the row and column tables zeroed (the old ones retired, as every buffer here).
+  void set_matrix_tables(const std::vector<TensorRef>& tensors) {
+    const ScalarLayout& L = plan_.layout;
+    const MatrixLayout layout = matrix_layout(tensors, ranges_);
+    const std::vector<DeviceMatrix> matrices = device_matrices(tensors, layout);
+    const std::vector<ValueItem> items = value_items(tensors, cuda_value_item_cols());
+    auto bytes = [](int64_t entries, int per, size_t size) {
+      return std::max<size_t>(1, static_cast<size_t>(entries) * static_cast<size_t>(per)) * size;
+    };
+    const size_t sizes[] = {std::max<size_t>(1, matrices.size()) * sizeof(DeviceMatrix),
+                            bytes(layout.rows, L.row_reductions, sizeof(double)),
+                            bytes(layout.colparts, L.col_reductions, sizeof(double)),
+                            bytes(layout.cols, L.col_reductions, sizeof(double)),
+                            bytes(layout.rows, L.row_values, sizeof(float)),
+                            bytes(layout.cols, L.col_values, sizeof(float)),
+                            std::max<size_t>(1, items.size()) * sizeof(ValueItem)};
+    for (cuda::DeviceBuffer& b : matrix_buffers_) retire(std::move(b));
+    matrix_buffers_.clear();
+    for (size_t b = 0; b < 7; ++b) {
+      matrix_buffers_.push_back(cuda::DeviceBuffer::ordered(sizes[b], stream_));
+      cuda::memset_zero(matrix_buffers_.back().ptr(), sizes[b], stream_);
+    }
+    if (!matrices.empty())
+      uploads_.upload(matrix_buffers_[0].ptr(), matrices.data(), matrices.size() * sizeof(DeviceMatrix), stream_);
+    if (!items.empty()) uploads_.upload(matrix_buffers_[6].ptr(), items.data(), items.size() * sizeof(ValueItem), stream_);
+    num_items_ = static_cast<int>(items.size());
+    matrix_tables_ = {matrix_buffers_[0].ptr(), matrix_buffers_[1].ptr(), matrix_buffers_[2].ptr(),
+                      matrix_buffers_[3].ptr(), matrix_buffers_[4].ptr(), matrix_buffers_[5].ptr()};
+  }
 
   // A sharded step: a device buffer for every rank's partials and the tensors' global spans.
   void set_exchange(const ShardMap& map, ExchangeFn fn) override {
@@ -473,8 +519,15 @@ class CudaExecutor : public Executor {
       if (st.kind == ScheduleStep::Kind::Pass) {
         CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
         void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
-                        &sources, &grad_scale, &found_inf, &counter, &combine_here};
+                        &sources, &grad_scale, &found_inf, &counter, &combine_here, &matrix_tables_};  // (the last: matrix plans)
         cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
+      } else if (st.kind == ScheduleStep::Kind::Values) {  // a block per item (matrix_tables.h, ValueItem)
+        CUdeviceptr items = matrix_buffers_[6].ptr();
+        int num_items = num_items_;
+        void* args[] = {&tensors, &items, &num_items, &table, &groups, &tensor_reductions, &sources, &grad_scale,
+                        &found_inf, &matrix_tables_};
+        const unsigned grid = static_cast<unsigned>(std::clamp<int64_t>(num_items_, 1, int64_t{device_.sm_count} * 8));
+        cuda::launch(value_fns_[i], grid, static_cast<unsigned>(threads_), shared_bytes_, s, args);
       } else if (st.kind == ScheduleStep::Kind::Exchange && exchange_fn_) {
         PartialSums ps;
         ps.phase = st.phase;
@@ -557,6 +610,12 @@ class CudaExecutor : public Executor {
   std::shared_ptr<const cuda::Module> module_;  // kept loaded for the process (cuda::shared_module)
   std::vector<CUfunction> fns_;
   std::vector<CUfunction> combine_fns_;    // per phase: of_combine<i> for reduce phases, else null
+  std::vector<CUfunction> value_fns_;      // matrix plans, per phase: of_values<i> (the Values step)
+  // Matrix plans: per tensor set, the tables (DeviceMatrix rows, row reductions, column partials,
+  // column reductions, row values, column values) and the Values step's items, in that order.
+  std::vector<cuda::DeviceBuffer> matrix_buffers_;
+  DeviceMatrixTables matrix_tables_;
+  int num_items_ = 0;
   std::vector<int> regs_, static_shared_;  // per phase
   std::vector<unsigned> grid_;             // per phase, for the current tensor set and group count
   size_t shared_bytes_ = 0;                // dynamic shared memory per block (the groups' uniforms)

@@ -1,5 +1,7 @@
 #include "runtime/matrix_tables.h"
 
+#include <algorithm>
+
 #include "optfuse/error.h"
 
 namespace optfuse {
@@ -33,6 +35,30 @@ MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vec
     m.colparts += static_cast<int64_t>(spans.at(t).count) * v.cols;
   }
   return m;
+}
+
+std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors, const MatrixLayout& layout) {
+  std::vector<DeviceMatrix> out(tensors.size());
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    out[t].cols = matrix_view(tensors[t]).cols;
+    out[t].is_matrix = tensors[t].cols > 0 ? 1 : 0;
+    out[t].row_offset = layout.row_offset[t];
+    out[t].col_offset = layout.col_offset[t];
+    out[t].colpart_offset = layout.colpart_offset[t];
+  }
+  return out;
+}
+
+std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item) {
+  std::vector<ValueItem> items;
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (tensors[t].param.numel == 0) continue;
+    const int64_t cols = matrix_view(tensors[t]).cols;
+    for (int64_t c = 0; c < cols; c += cols_per_item)
+      items.push_back({static_cast<int32_t>(t), static_cast<int32_t>(c),
+                       static_cast<int32_t>(std::min<int64_t>(cols_per_item, cols - c)), c == 0 ? 1 : 0});
+  }
+  return items;
 }
 
 void MatrixTables::build(const Plan& plan, const std::vector<TensorRef>& tensors, const std::vector<ChunkRange>& spans) {

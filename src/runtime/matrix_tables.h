@@ -27,6 +27,22 @@ struct MatrixLayout {
 };
 MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vector<ChunkRange>& spans);
 
+// The CUDA executor's per-tensor row of the matrix layout: the generated struct OfMatrix
+// (codegen/cuda_matrix_source.cpp) matches.
+struct DeviceMatrix {
+  int64_t cols = 1, is_matrix = 0, row_offset = 0, col_offset = 0, colpart_offset = 0;
+};
+static_assert(sizeof(DeviceMatrix) == 40, "DeviceMatrix is shared with generated code (OfMatrix)");
+std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors, const MatrixLayout& layout);
+
+// One block's work in the CUDA Values step: a range of a tensor's columns, and its rows where
+// `rows` is 1 (the tensor's first item). The generated struct OfValueItem matches.
+struct ValueItem {
+  int32_t tensor = 0, col_begin = 0, col_count = 0, rows = 0;
+};
+static_assert(sizeof(ValueItem) == 16, "ValueItem is shared with generated code (OfValueItem)");
+std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item);
+
 // The host executors' tables, [entry][slot] row-major with the plan's per-entry counts.
 struct MatrixTables {
   MatrixLayout layout;

@@ -51,9 +51,6 @@ bool has_hyper(const Chain& c, const std::string& name) {
 std::vector<Case> all_cases() {
   std::vector<Case> cases;
   auto add = [&](const std::string& name, Chain c) {
-    // Plans with row or column values (Adafactor) have no CUDA loop yet: the backend refuses them
-    // (MatrixScope.CudaSaysItHasNoLoopYet in tests/cpu).
-    if (make_plan(c).matrix()) return;
     if (!has_hyper(c, "lr")) c = chain({c, make_builtin("scale_by_learning_rate", {{"lr", 1e-3}})});
     cases.push_back({name, c});
   };
@@ -177,10 +174,11 @@ TEST(CudaSource, EveryBuiltinCompilesForSm90WithOneElementKernelPerPhase) {
     int reduce_phases = 0;
     for (const ElementPhase& ph : plan.phases) reduce_phases += ph.kind == ElementPhase::Kind::Reduce ? 1 : 0;
     // One launch per pass: no separate scalar kernel. A reduce pass also has a combine kernel, which
-    // only a sharded step (an exchange) launches.
-    EXPECT_EQ(count(src, "__global__"), phases + reduce_phases);
+    // only a sharded step (an exchange) launches; a matrix plan a Values-step kernel per pass.
+    const int values = plan.matrix() ? phases : 0;
+    EXPECT_EQ(count(src, "__global__"), phases + reduce_phases + values);
     EXPECT_EQ(count(src, "__global__ void __launch_bounds__(OF_THREADS) of_combine"), reduce_phases);
-    ASSERT_EQ(cuda_kernel_names(plan).size(), static_cast<size_t>(phases));
+    ASSERT_EQ(cuda_kernel_names(plan).size(), static_cast<size_t>(phases + values));
     cu::CompileResult r;
     ASSERT_NO_THROW(r = cu::compile(src, "optfuse", 90, {"--fmad=false"}));
     for (const std::string& k : cuda_kernel_names(plan)) {
@@ -670,6 +668,27 @@ TEST(CudaBench, DISABLED_Bandwidth) {
                 bytes / graph_ms / 1e6, 100.0 * bytes / graph_ms / 1e6 / copy_gbs, eager_ms * 1e3);
     std::fflush(stdout);
   }
+}
+
+// Row and column scopes (Adafactor) on matrix views: one and several chunks per matrix, rows longer
+// than a chunk, narrow views (a thread per column, most idle), vectors (a thread per row), two groups.
+TEST(CudaBackend, MatrixViewsMatchReferenceAndRepeatBitwise) {
+  REQUIRE_GPU();
+  const std::vector<TensorSpec> specs = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 70000, 1, 70000},
+                                         {17 * 5, 1, 5},        {1, 0, 0},     {4096 * 64, 0, 64}};
+  for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), adafactor({{"maximize", true}, {"d", 1.5}})})
+    for (DType dt : {DType::f32, DType::bf16}) {
+      double w = worst_vs_reference(c, dt, 8, {}, specs);
+      EXPECT_TRUE(w <= tolerance(dt)) << build_program(c).chain_text << " " << dtype_name(dt) << ": worst " << w;
+    }
+  Twin twin(adafactor({{"lr", 0.05}}), DType::f32, specs);
+  for (int s = 0; s < 3; ++s) {
+    twin.new_grads(500 + static_cast<uint64_t>(s));
+    twin.a->step(twin.in());
+    twin.b->step(twin.in());
+  }
+  twin.download();
+  EXPECT_TRUE(same_bytes(*twin.ha, *twin.hb)) << "two runs of the same steps differ";
 }
 
 }  // namespace

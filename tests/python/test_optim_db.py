@@ -44,9 +44,6 @@ CUDA_F32_TOL = 2e-6  # torch's CUDA kernels contract multiply-adds into FMAs; op
 STATE_TOL = 1e-4     # state tensors, relative to their own largest element (as test_training_loop.py)
 DROP_INS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD",
             "Adafactor"]
-# Drop-ins whose plans have row or column values: the CUDA backend has no loop for them yet and
-# refuses them with OptfuseError (test_adafactor.py checks the refusal).
-CPU_ONLY = {"Adafactor"}
 
 
 def _infos():
@@ -116,8 +113,6 @@ def _variants(info, kwargs, device):
 @pytest.mark.parametrize("info", INFOS, ids=[i.optim_cls.__name__ for i in INFOS])
 def test_optim_db_configurations_match_torch(info, device, capsys, record_property):
     name = info.optim_cls.__name__
-    if name in CPU_ONLY and device.type == "cuda":
-        pytest.skip(f"{name}: the CUDA backend has no loop for row and column values yet (it refuses {name})")
     ours_cls = getattr(oft, name)
     tol = CUDA_F32_TOL if device.type == "cuda" else F32_TOL
     inputs = info.optim_inputs_func(device=device, dtype=torch.float32)

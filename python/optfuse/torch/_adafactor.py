@@ -24,8 +24,7 @@ def _eps1(g):
 
 class Adafactor(FusedOptimizer):
     __doc__ = ("Fused drop-in for torch.optim.Adafactor (same arguments, defaults and state dict); parameters of "
-               "at most 2 dimensions. The CPU backend runs it (interpreted in float32); CUDA parameters are "
-               "refused until the CUDA loop for row and column values exists.")
+               "at most 2 dimensions. Three passes over memory on CUDA; the CPU backend interprets it in float32.")
     _sig_keys = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
 
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *, foreach=None,

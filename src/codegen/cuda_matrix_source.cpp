@@ -1,0 +1,351 @@
+#include "codegen/cuda_matrix_source.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "codegen/c_printer.h"
+
+namespace optfuse {
+
+namespace {
+
+// OF_MROWS: a chunk's row sums live in shared memory, [reduction][row][warp] and [reduction][row].
+constexpr int32_t kMatrixChunkRows = 64;
+// A chunk of 32 rows of 2048 columns: large enough that a column's partials (one per chunk) cost
+// 1/16 of a float32 role's traffic, small enough that a big matrix gives every SM many chunks.
+constexpr int32_t kMatrixChunkElements = 65536;
+constexpr int32_t kValueItemCols = 256;  // one column per thread of a Values-step block
+
+std::string literal_float(double v) {
+  std::ostringstream s;
+  s.precision(9);
+  s << "(float)" << v;
+  return s.str();
+}
+
+// The reductions of a phase in its acc[] order, with the scope and the slot in their table.
+struct PhaseReduction {
+  size_t k;       // index in the phase's acc[]
+  Scope scope;
+  int slot;       // in the global area, the tensor table, the row or the column table
+  bool any;       // AnyNonFinite: a sum of 0/1 flags, turned into 0/1
+};
+std::vector<PhaseReduction> phase_reductions(const Plan& plan, const ElementPhase& ph) {
+  std::vector<PhaseReduction> out;
+  for (size_t k = 0; k < ph.reductions.size(); ++k) {
+    const size_t r = plan.reduction_index(ph.reductions[k]);
+    out.push_back({k, plan.scope_of(r), plan.reduction_area_slot[r],
+                   plan.program.graph.node(ph.reductions[k]).op == Op::AnyNonFinite});
+  }
+  return out;
+}
+
+std::string flag(const std::string& x, bool any) { return any ? "(" + x + " != 0.0 ? 1.0 : 0.0)" : x; }
+
+// Loads of the Rows (cols false) or Cols states of element x of variant `var` into st[s].
+std::string line_state_loads(const Plan& plan, const StorageVariant& var, bool cols, const std::string& x,
+                             const std::string& indent) {
+  std::ostringstream s;
+  const StateShape want = cols ? StateShape::Cols : StateShape::Rows;
+  for (size_t st = 0; st < plan.program.states.size(); ++st) {
+    if (plan.program.states[st].shape != want) continue;
+    const int dt = static_cast<int>(var[2 + st].dtype);
+    s << indent << "st[" << st << "] = of_load1<" << dt << ">((const OfStorage<" << dt << ">::E*)t.ptr[" << 2 + st
+      << "] + " << x << ");\n";
+  }
+  return s.str();
+}
+
+}  // namespace
+
+bool CudaPhaseRoles::read_only(int r) const { return std::find(writes.begin(), writes.end(), r) == writes.end(); }
+
+CudaPhaseRoles cuda_phase_roles(const ElementPhase& ph) {
+  CudaPhaseRoles pr;
+  if (ph.reads_param) pr.reads.push_back(0);
+  if (ph.reads_grad) pr.reads.push_back(1);
+  for (int st : ph.reads_states) pr.reads.push_back(2 + st);
+  if (ph.kind == ElementPhase::Kind::Update) {
+    if (ph.writes_param) pr.writes.push_back(0);
+    for (int st : ph.writes_states) pr.writes.push_back(2 + st);
+  }
+  pr.used = pr.reads;
+  for (int r : pr.writes)
+    if (std::find(pr.used.begin(), pr.used.end(), r) == pr.used.end()) pr.used.push_back(r);
+  std::sort(pr.used.begin(), pr.used.end());
+  return pr;
+}
+
+int32_t cuda_matrix_chunk_rows() { return kMatrixChunkRows; }
+int32_t cuda_matrix_chunk_elements() { return kMatrixChunkElements; }
+int32_t cuda_value_item_cols() { return kValueItemCols; }
+
+std::string cuda_matrix_prelude(const Plan& plan) {
+  const ScalarLayout& L = plan.layout;
+  std::ostringstream s;
+  s << "\n// Matrix plans (codegen/cuda_matrix_source.h)\n"
+    << "#define OF_MROWS " << kMatrixChunkRows << "\n"
+    << "#define OF_ROW_REDS " << L.row_reductions << "\n#define OF_ROW_REDS_ARRAY " << std::max(L.row_reductions, 1) << "\n"
+    << "#define OF_COL_REDS " << L.col_reductions << "\n#define OF_COL_REDS_ARRAY " << std::max(L.col_reductions, 1) << "\n"
+    << "#define OF_ROW_VALUES " << L.row_values << "\n#define OF_ROW_VALUES_ARRAY " << std::max(L.row_values, 1) << "\n"
+    << "#define OF_COL_VALUES " << L.col_values << "\n#define OF_COL_VALUES_ARRAY " << std::max(L.col_values, 1) << "\n"
+    << "#define OF_TENSOR_REDUCTIONS_ARRAY " << std::max(L.tensor_reductions, 1) << "\n"
+    << "#define OF_ROW_U (OF_DERIVED + " << L.tensor_values << ")  // u[OF_ROW_U + k]: row value k\n"
+    << "#define OF_COL_U (OF_ROW_U + OF_ROW_VALUES)  // u[OF_COL_U + k]: column value k\n"
+    << R"(// Per tensor: its matrix view and where its rows, columns and column partials are (DeviceMatrix).
+struct OfMatrix { long long cols, is_matrix, row_offset, col_offset, colpart_offset; };
+// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
+struct OfMatrixTables {
+  const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
+};
+struct OfValueItem { int tensor, col_begin, col_count, rows; };  // ValueItem
+__device__ __forceinline__ void of_shape(const OfTensor& t, const OfMatrix& m, double* shape) {
+  shape[0] = (double)t.numel; shape[1] = (double)(t.numel / m.cols); shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
+}
+)";
+  return s.str();
+}
+
+std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
+  const ElementPhase& ph = plan.phases[i];
+  const Program& p = plan.program;
+  const CudaPhaseRoles pr = cuda_phase_roles(ph);
+  const std::vector<std::string> roles = role_names(plan);
+  const std::vector<PhaseReduction> reds = phase_reductions(plan, ph);
+  const size_t nred = std::max<size_t>(ph.reductions.size(), 1);
+  bool row_reds = false, col_reds = false;
+  for (const PhaseReduction& r : reds) {
+    row_reds = row_reds || r.scope == Scope::Row;
+    col_reds = col_reds || r.scope == Scope::Col;
+  }
+  auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
+  auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
+  auto type = [&](int r) { return "OfStorage<" + std::to_string(dt(r)) + ">::E"; };
+  std::ostringstream s;
+  s << "\n// phase " << i << ", variant " << k << " of a matrix plan: " << describe_variant(var, roles) << "\n"
+    << "__device__ __forceinline__ void of_phase" << i << "_v" << k
+    << "_mchunk(const OfTensor& t, const OfMatrix& m, void* grad, long long begin, int len, float* u, double* acc, "
+       "unsigned long long rng, long long chunk_in_tensor, const OfMatrixTables& mt, double* srow, double* racc, "
+       "double* scratch) {\n"
+    << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
+    << "  const int rows = (int)(len / C);\n"
+    << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);\n"
+    << "  (void)rng; (void)rng_first; (void)grad; (void)srow; (void)racc; (void)scratch; (void)chunk_in_tensor;\n";
+  for (int r : pr.used)
+    s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)"
+      << (r == 1 ? std::string("grad") : "t.ptr[" + std::to_string(r) + "]") << " + begin;\n";
+  // One element at index `idx` of the chunk: loads, the element function into a[], stores.
+  auto body = [&](const std::string& idx, const std::string& ind) {
+    std::ostringstream b;
+    b << ind << "float v[OF_ROLES];\n";
+    for (int r : pr.reads)
+      b << ind << "v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + " << idx
+        << ");\n";
+    b << ind << "of_phase" << i << "_element(v, u, a);\n";
+    for (int r : pr.writes) {
+      if (var[static_cast<size_t>(r)].stochastic)
+        b << ind << "of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r
+          << "], of_rng_bits(rng, rng_first + (unsigned long long)(" << idx << "), " << r << "));\n";
+      else
+        b << ind << "of_store1<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "]);\n";
+    }
+    return b.str();
+  };
+  auto row_values = [&](const std::string& row, const std::string& ind) {
+    return plan.layout.row_values == 0 ? std::string()
+           : ind + "for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = mt.row_val[(m.row_offset + " + row +
+                 ") * OF_ROW_VALUES + q];\n";
+  };
+  auto col_values = [&](const std::string& col, const std::string& ind) {
+    return plan.layout.col_values == 0 ? std::string()
+           : ind + "for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = mt.col_val[(m.col_offset + " + col +
+                 ") * OF_COL_VALUES + q];\n";
+  };
+  // Tensor and global reductions: each thread's own accumulators, as in every other loop.
+  auto others = [&](const std::string& ind) {
+    std::ostringstream o;
+    for (const PhaseReduction& r : reds)
+      if (r.scope == Scope::Global || r.scope == Scope::Tensor) o << ind << "acc[" << r.k << "] += a[" << r.k << "];\n";
+    return o.str();
+  };
+  // A one-column view (a vector): a thread per row; a row's sum is its element's; the column's
+  // partial is a block sum.
+  s << "  if (C == 1) {\n" << col_values("0", "    ");
+  if (col_reds) s << "    double cacc[OF_COL_REDS_ARRAY] = {0.0};\n";
+  s << "    for (int j = threadIdx.x; j < rows; j += OF_THREADS) {\n" << row_values("r0 + j", "      ")
+    << "      double a[" << nred << "] = {0.0};\n" << body("j", "      ");
+  for (const PhaseReduction& r : reds) {
+    if (r.scope == Scope::Row)
+      s << "      mt.row_red[(m.row_offset + r0 + j) * OF_ROW_REDS + " << r.slot << "] = " << flag("a[" + std::to_string(r.k) + "]", r.any)
+        << ";\n";
+    if (r.scope == Scope::Col) s << "      cacc[" << r.slot << "] += a[" << r.k << "];\n";
+  }
+  s << others("      ") << "    }\n";
+  for (const PhaseReduction& r : reds)
+    if (r.scope == Scope::Col)
+      s << "    {\n      const double total = of_block_sum(cacc[" << r.slot << "], scratch);\n"
+        << "      if (threadIdx.x == 0) mt.col_part[(m.colpart_offset + chunk_in_tensor) * OF_COL_REDS + " << r.slot
+        << "] = " << flag("total", r.any) << ";\n    }\n";
+  s << "  } else {\n";
+  // Wider views: threads take columns (tiles of OF_THREADS), each walks the chunk's rows; a row's
+  // sum is per warp (shuffle tree) into srow[slot][row][warp], then the warps in order into racc.
+  if (row_reds)
+    s << "    for (int x = threadIdx.x; x < OF_ROW_REDS * OF_MROWS; x += OF_THREADS) racc[x] = 0.0;\n"
+      << "    __syncthreads();\n";
+  s << "    for (long long tile = 0; tile < C; tile += OF_THREADS) {\n"
+    << "      const long long c = tile + threadIdx.x;\n      const bool active = c < C;\n";
+  if (plan.layout.col_values > 0) s << "      if (active) {\n" << col_values("c", "        ") << "      }\n";
+  if (col_reds) s << "      double cacc[OF_COL_REDS_ARRAY] = {0.0};\n";
+  s << "      for (int r = 0; r < rows; ++r) {\n"
+    << "        double a[" << nred << "] = {0.0};\n"
+    << "        if (active) {\n" << row_values("r0 + r", "          ") << "          const long long e = (long long)r * C + c;\n"
+    << body("e", "          ") << "        }\n";
+  for (const PhaseReduction& r : reds) {
+    if (r.scope == Scope::Row)
+      s << "        {\n          double x = a[" << r.k << "];\n"
+        << "          for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);\n"
+        << "          if ((threadIdx.x & 31) == 0) srow[(" << r.slot << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n"
+        << "        }\n";
+    if (r.scope == Scope::Col) s << "        cacc[" << r.slot << "] += a[" << r.k << "];\n";
+  }
+  s << others("        ") << "      }\n";
+  for (const PhaseReduction& r : reds)
+    if (r.scope == Scope::Col)
+      s << "      if (active) mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c) * OF_COL_REDS + " << r.slot << "] = "
+        << flag("cacc[" + std::to_string(r.slot) + "]", r.any) << ";\n";
+  if (row_reds)
+    s << "      __syncthreads();\n"
+      << "      for (int x = threadIdx.x; x < OF_ROW_REDS * rows; x += OF_THREADS) {\n"
+      << "        const int q = x / rows, r = x % rows;\n"
+      << "        double sum = 0.0;\n"
+      << "        for (int w = 0; w < OF_THREADS / 32; ++w) sum += srow[(q * OF_MROWS + r) * (OF_THREADS / 32) + w];\n"
+      << "        racc[q * OF_MROWS + r] += sum;\n      }\n"
+      << "      __syncthreads();\n";
+  s << "    }\n";
+  for (const PhaseReduction& r : reds)
+    if (r.scope == Scope::Row)
+      s << "    for (int r = threadIdx.x; r < rows; r += OF_THREADS)\n"
+        << "      mt.row_red[(m.row_offset + r0 + r) * OF_ROW_REDS + " << r.slot << "] = "
+        << flag("racc[" + std::to_string(r.slot) + " * OF_MROWS + r]", r.any) << ";\n";
+  s << "  }\n";
+  // The Commit step: Rows and Cols states from the value tables (the chunk runs only where its
+  // group did not skip).
+  if (ph.kind == ElementPhase::Kind::Update) {
+    const size_t D = plan.derived.size() + plan.tensor_derived.size();
+    for (size_t st = 0; st < p.states.size(); ++st) {
+      const StateShape shape = p.states[st].shape;
+      if (shape == StateShape::Full) continue;
+      const bool cols = shape == StateShape::Cols;
+      const NodeId out = p.state_out[st];
+      const int sdt = static_cast<int>(var[2 + st].dtype);
+      std::string value;
+      if (p.graph.node(out).op == Op::Const) {
+        value = literal_float(p.graph.node(out).value);
+      } else {
+        const size_t q = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(plan.layout.row_values) : 0);
+        value = cols ? "mt.col_val[(m.col_offset + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
+                     : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
+      }
+      s << "  // commit " << p.states[st].qualified << "\n";
+      if (cols) s << "  if (chunk_in_tensor == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
+      else s << "  for (int x = threadIdx.x; x < rows; x += OF_THREADS)\n";
+      s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "x" : "r0 + x")
+        << ", " << value << ");\n";
+    }
+  }
+  s << "}\n";
+  return s.str();
+}
+
+std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
+  const Graph& g = plan.program.graph;
+  const int limit = plan.value_level_limit(plan.phases[i]);
+  const ScalarLayout& L = plan.layout;
+  const bool ustates = L.uniform_states_per_group > 0;
+  std::ostringstream s;
+  // Per variant: the Rows or Cols states of element x, loaded as float.
+  for (size_t k = 0; k < variants.size(); ++k)
+    s << "\n__device__ __forceinline__ void of_values" << i << "_states_v" << k
+      << "(const OfTensor& t, long long x, bool cols, float* st) {\n"
+      << "  if (cols) {\n" << line_state_loads(plan, variants[k], true, "x", "    ") << "  } else {\n"
+      << line_state_loads(plan, variants[k], false, "x", "    ") << "  }\n  (void)t; (void)x; (void)st;\n}\n";
+  s << "\n// The Values step before pass " << i << ": row and column values (levels <= " << limit << ")\n"
+    << "extern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_values" << i
+    << "(const OfTensor* __restrict__ tensors, const OfValueItem* __restrict__ items, int num_items, const double* table, "
+       "int groups, double* __restrict__ tensor_reductions, const OfHyperSource* __restrict__ sources, "
+       "const float* grad_scale, const float* found_inf, OfMatrixTables mt) {\n"
+    << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
+    << "  __shared__ double globals[2];\n  __shared__ double scratch[OF_THREADS / 32];\n"
+    << "  if (threadIdx.x == 0) {\n    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
+    << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n  __syncthreads();\n"
+    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n    double steps_unused;\n"
+    << (ustates ? "    double ustate_unused[OF_USTATES];\n" : "")
+    << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
+    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
+    << (ustates ? ", ustate_unused" : "") << ");\n  }\n  __syncthreads();\n"
+    << "  for (int it = blockIdx.x; it < num_items; it += gridDim.x) {\n"
+    << "    const OfValueItem item = items[it];\n"
+    << "    const OfTensor& t = tensors[item.tensor];\n    const OfMatrix m = mt.m[item.tensor];\n"
+    << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
+    << "    float u[OF_VALUES_ARRAY];\n"
+    << "    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n"
+    << "    double shape[4];\n    of_shape(t, m, shape);\n";
+  if (L.tensor_values > 0)
+    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, shape, u + OF_DERIVED);\n";
+  s << "    const long long C = m.cols, R = t.numel / C;\n    (void)R;\n"
+    << "    float st[OF_ROLES];\n    float out[OF_ROW_VALUES_ARRAY > OF_COL_VALUES_ARRAY ? OF_ROW_VALUES_ARRAY : OF_COL_VALUES_ARRAY];\n"
+    << "    double sums[OF_TENSOR_REDUCTIONS_ARRAY] = {0.0};\n"
+    << "    for (long long c = item.col_begin + threadIdx.x; c < item.col_begin + item.col_count; c += OF_THREADS) {\n"
+    << "      double red[OF_COL_REDS_ARRAY];\n";
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.scope_of(r) != Scope::Col) continue;
+    const int slot = plan.reduction_area_slot[r];
+    const int level = plan.level[static_cast<size_t>(plan.reductions[r])];
+    const bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
+    const std::string at = "mt.col_red[(m.col_offset + c) * OF_COL_REDS + " + std::to_string(slot) + "]";
+    if (level == limit && i > 0)  // produced by the pass just run: its partials, in chunk order
+      s << "      {\n        double sum = 0.0;\n"
+        << "        for (int q = 0; q < t.num_chunks; ++q) sum += mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + "
+        << slot << "];\n        red[" << slot << "] = " << flag("sum", any) << ";\n        " << at << " = red[" << slot
+        << "];\n      }\n";
+    else
+      s << "      red[" << slot << "] = " << at << ";\n";
+  }
+  s << "      switch (t.variant) {\n";
+  for (size_t k = 0; k < variants.size(); ++k)
+    s << "        case " << k << ": of_values" << i << "_states_v" << k << "(t, c, true, st); break;\n";
+  s << "        default: break;\n      }\n"
+    << "      of_phase" << i << "_cols(u, st, red, out, sums);\n";
+  for (size_t q = 0; q < plan.col_derived.size(); ++q)
+    if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
+      s << "      mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
+  s << "    }\n"
+    << "    if (item.rows) {  // uniform over the block\n"
+    << "      for (int q = 0; q < OF_TENSOR_REDUCTIONS_ARRAY; ++q) sums[q] = 0.0;\n"
+    << "      for (long long r = threadIdx.x; r < R; r += OF_THREADS) {\n"
+    << "        switch (t.variant) {\n";
+  for (size_t k = 0; k < variants.size(); ++k)
+    s << "          case " << k << ": of_values" << i << "_states_v" << k << "(t, r, false, st); break;\n";
+  s << "          default: break;\n        }\n"
+    << "        of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
+  for (size_t q = 0; q < plan.row_derived.size(); ++q)
+    if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
+      s << "        mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
+  s << "      }\n";
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    const NodeId node = plan.reductions[r];
+    if (!plan.is_value_reduction(node) || plan.kind[static_cast<size_t>(g.node(node).in[0])] != ValueKind::Row ||
+        plan.level[static_cast<size_t>(node)] > limit)
+      continue;
+    const int slot = plan.reduction_area_slot[r];
+    s << "      {  // a per-tensor sum of row values: a fixed block tree\n"
+      << "        const double total = of_block_sum(sums[" << slot << "], scratch);\n"
+      << "        if (threadIdx.x == 0) tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << slot << "] = "
+      << flag("total", g.node(node).op == Op::AnyNonFinite) << ";\n      }\n";
+  }
+  s << "    }\n    __syncthreads();  // scratch and the items' shared state\n  }\n"
+    << "  (void)tensor_reductions; (void)scratch;\n}\n";
+  return s.str();
+}
+
+}  // namespace optfuse
