@@ -50,6 +50,7 @@ OPTIMIZERS = {
     "Rprop": ("rprop()", dict(lr=1e-2)),
     "NAdam": ("nadam()", dict(lr=1e-3)),
     "AdEMAMix": ("ademamix()", dict(lr=1e-3)),
+    "Adafactor": ("adafactor()", dict(lr=1e-2)),
 }
 
 
@@ -114,6 +115,8 @@ def competitors(name):
     if cls is None:
         return []
     out = [("torch foreach", lambda ps, kw, c=cls: c(ps, foreach=True, **kw))]
+    if name == "Adafactor":  # torch's default for Adafactor is its for-loop
+        out.append(("torch for-loop (default)", lambda ps, kw, c=cls: c(ps, foreach=False, **kw)))
     if name in ("Adam", "AdamW", "SGD", "Adagrad"):
         out.append(("torch fused", lambda ps, kw, c=cls: c(ps, fused=True, **kw)))
     return out

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Adafactor's row and column scopes on the H200 in one `run` call (carry .devdeps): build, the C++
+# CUDA tests, the Adafactor and optim_db pytest cases on CUDA, the training-loop never-wait checks,
+# then Adafactor against torch (bench/optimizers_vs_torch.py) and its kernels' times (torch profiler).
+# Usage: dev/h200_adafactor.sh [part ...]   parts: build cxx python bench profile (default: all)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out}
+mkdir -p "$out"
+export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
+parts=${*:-build cxx python bench profile}
+has() { [[ " $parts " == *" $1 "* ]]; }
+if has build; then
+  echo "== build ($(date +%T))"
+  dev/device_build.sh >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+  python3 -m pip install -q --no-build-isolation --no-deps . >"$out/pip.log" 2>&1 || tail -30 "$out/pip.log"
+  ls .devdeps/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .devdeps/*.whl >>"$out/pip.log" 2>&1
+fi
+if has cxx; then
+  echo "== test_cuda ($(date +%T))"
+  timeout 300 ./build-device/test_cuda >"$out/test_cuda.log" 2>&1
+  grep -E "^\[  (PASSED|FAILED) |^\[==========\]|Failure|exception|worst" "$out/test_cuda.log" | tail -25
+fi
+if has python; then
+  echo "== pytest ($(date +%T))"
+  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests/python/test_adafactor.py \
+    tests/python/test_optim_db.py tests/python/test_training_loop.py -k "Adafactor or adafactor or cuda or never_wait" \
+    >"$out/pytest.log" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed|Error|assert" "$out/pytest.log" | tail -30
+fi
+if has bench; then
+  echo "== Adafactor vs torch ($(date +%T))"
+  timeout 300 python3 bench/optimizers_vs_torch.py --optimizers Adafactor,AdamW --workloads llama-1b,gpt2-small \
+    --json "$out/adafactor_vs_torch.json" 2>&1 | tail -20
+fi
+if has profile; then
+  echo "== Adafactor kernels, llama-1b ($(date +%T))"
+  timeout 200 python3 dev/kernel_times.py --optimizer Adafactor --workload llama-1b 2>&1 | tail -20
+fi
+echo "== done ($(date +%T))"
