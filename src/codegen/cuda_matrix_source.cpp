@@ -14,7 +14,11 @@ constexpr int32_t kMatrixChunkRows = 64;
 // A chunk of 32 rows of 2048 columns: large enough that a column's partials (one per chunk) cost
 // 1/16 of a float32 role's traffic, small enough that a big matrix gives every SM many chunks.
 constexpr int32_t kMatrixChunkElements = 65536;
-constexpr int32_t kValueItemCols = 256;  // one column per thread of a Values-step block
+// A Values-step block takes 32 columns (a warp's lanes; its 8 warps split the column's chunk
+// partials) or 2048 rows (8 per thread): enough blocks that the column partials, the step's one
+// large read, are read by the whole GPU.
+constexpr int32_t kValueItemCols = 32;
+constexpr int32_t kValueItemRows = 2048;
 
 std::string literal_float(double v) {
   std::ostringstream s;
@@ -76,15 +80,25 @@ CudaPhaseRoles cuda_phase_roles(const ElementPhase& ph) {
   return pr;
 }
 
+bool cuda_phase_has_line_reductions(const Plan& plan, size_t phase) {
+  for (NodeId r : plan.phases.at(phase).reductions) {
+    const Scope scope = reduction_scope(plan.program.graph.node(r));
+    if (scope == Scope::Row || scope == Scope::Col) return true;
+  }
+  return false;
+}
+
 int32_t cuda_matrix_chunk_rows() { return kMatrixChunkRows; }
 int32_t cuda_matrix_chunk_elements() { return kMatrixChunkElements; }
 int32_t cuda_value_item_cols() { return kValueItemCols; }
+int32_t cuda_value_item_rows() { return kValueItemRows; }
 
 std::string cuda_matrix_prelude(const Plan& plan) {
   const ScalarLayout& L = plan.layout;
   std::ostringstream s;
   s << "\n// Matrix plans (codegen/cuda_matrix_source.h)\n"
     << "#define OF_MROWS " << kMatrixChunkRows << "\n"
+    << "#ifndef OF_MUNROLL\n#define OF_MUNROLL 8  // rows whose loads a matrix chunk loop issues together\n#endif\n"
     << "#define OF_ROW_REDS " << L.row_reductions << "\n#define OF_ROW_REDS_ARRAY " << std::max(L.row_reductions, 1) << "\n"
     << "#define OF_COL_REDS " << L.col_reductions << "\n#define OF_COL_REDS_ARRAY " << std::max(L.col_reductions, 1) << "\n"
     << "#define OF_ROW_VALUES " << L.row_values << "\n#define OF_ROW_VALUES_ARRAY " << std::max(L.row_values, 1) << "\n"
@@ -97,8 +111,10 @@ struct OfMatrix { long long cols, is_matrix, row_offset, col_offset, colpart_off
 // The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
 struct OfMatrixTables {
   const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
+  double* item_sums;   // [item][OF_TENSOR_REDUCTIONS]: a row item's per-tensor sums of row values
+  unsigned* finished;  // per tensor: its row items done this step (the last one resets it)
 };
-struct OfValueItem { int tensor, col_begin, col_count, rows; };  // ValueItem
+struct OfValueItem { int tensor, begin, count, rows, first, items; };  // ValueItem
 __device__ __forceinline__ void of_shape(const OfTensor& t, const OfMatrix& m, double* shape) {
   shape[0] = (double)t.numel; shape[1] = (double)(t.numel / m.cols); shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
 }
@@ -196,10 +212,21 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     << "      const long long c = tile + threadIdx.x;\n      const bool active = c < C;\n";
   if (plan.layout.col_values > 0) s << "      if (active) {\n" << col_values("c", "        ") << "      }\n";
   if (col_reds) s << "      double cacc[OF_COL_REDS_ARRAY] = {0.0};\n";
-  s << "      for (int r = 0; r < rows; ++r) {\n"
+  // Rows in groups of OF_MUNROLL: every load of a group is issued before any math (memory-level
+  // parallelism: one thread's column walks the rows one at a time otherwise).
+  s << "      for (int rg = 0; rg < rows; rg += OF_MUNROLL) {\n";
+  for (int r : pr.reads) s << "       float in" << r << "[OF_MUNROLL];\n";
+  s << "       #pragma unroll\n       for (int k = 0; k < OF_MUNROLL; ++k)\n"
+    << "        if (active && rg + k < rows) {\n          const long long e = (long long)(rg + k) * C + c;\n";
+  for (int r : pr.reads)
+    s << "          in" << r << "[k] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
+  s << "        }\n"
+    << "       #pragma unroll\n       for (int k = 0; k < OF_MUNROLL; ++k) {\n"
+    << "        const int r = rg + k;\n        if (r >= rows) break;  // (uniform over the block)\n"
     << "        double a[" << nred << "] = {0.0};\n"
-    << "        if (active) {\n" << row_values("r0 + r", "          ") << "          const long long e = (long long)r * C + c;\n"
-    << body("e", "          ") << "        }\n";
+    << "        if (active) {\n" << row_values("r0 + r", "          ") << "          float v[OF_ROLES];\n";
+  for (int r : pr.reads) s << "          v[" << r << "] = in" << r << "[k];\n";
+  s << "          of_phase" << i << "_element(v, u, a);\n        }\n";
   for (const PhaseReduction& r : reds) {
     if (r.scope == Scope::Row)
       s << "        {\n          double x = a[" << r.k << "];\n"
@@ -208,7 +235,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         << "        }\n";
     if (r.scope == Scope::Col) s << "        cacc[" << r.slot << "] += a[" << r.k << "];\n";
   }
-  s << others("        ") << "      }\n";
+  s << others("        ") << "       }\n      }\n";
   for (const PhaseReduction& r : reds)
     if (r.scope == Scope::Col)
       s << "      if (active) mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c) * OF_COL_REDS + " << r.slot << "] = "
@@ -228,30 +255,40 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         << "      mt.row_red[(m.row_offset + r0 + r) * OF_ROW_REDS + " << r.slot << "] = "
         << flag("racc[" + std::to_string(r.slot) + " * OF_MROWS + r]", r.any) << ";\n";
   s << "  }\n";
-  // The Commit step: Rows and Cols states from the value tables (the chunk runs only where its
-  // group did not skip).
-  if (ph.kind == ElementPhase::Kind::Update) {
-    const size_t D = plan.derived.size() + plan.tensor_derived.size();
-    for (size_t st = 0; st < p.states.size(); ++st) {
-      const StateShape shape = p.states[st].shape;
-      if (shape == StateShape::Full) continue;
-      const bool cols = shape == StateShape::Cols;
-      const NodeId out = p.state_out[st];
-      const int sdt = static_cast<int>(var[2 + st].dtype);
-      std::string value;
-      if (p.graph.node(out).op == Op::Const) {
-        value = literal_float(p.graph.node(out).value);
-      } else {
-        const size_t q = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(plan.layout.row_values) : 0);
-        value = cols ? "mt.col_val[(m.col_offset + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
-                     : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
-      }
-      s << "  // commit " << p.states[st].qualified << "\n";
-      if (cols) s << "  if (chunk_in_tensor == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
-      else s << "  for (int x = threadIdx.x; x < rows; x += OF_THREADS)\n";
-      s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "x" : "r0 + x")
-        << ", " << value << ");\n";
+  s << "}\n";
+  return s.str();
+}
+
+std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
+  const Program& p = plan.program;
+  std::ostringstream s;
+  s << "\n// The Commit step of the update pass for one chunk (variant " << k << "): its rows' Rows states and, the\n"
+    << "// tensor's first chunk, its Cols states, from the value tables (a skipped group's chunks never get here)\n"
+    << "__device__ __forceinline__ void of_phase" << i << "_v" << k
+    << "_commit(const OfTensor& t, const OfMatrix& m, long long begin, int len, long long chunk_in_tensor, "
+       "const OfMatrixTables& mt) {\n"
+    << "  const long long C = m.cols, r0 = begin / C;\n  const int rows = (int)(len / C);\n"
+    << "  (void)t; (void)rows; (void)r0; (void)chunk_in_tensor; (void)mt;\n";
+  const size_t D = plan.derived.size() + plan.tensor_derived.size();
+  for (size_t st = 0; st < p.states.size(); ++st) {
+    const StateShape shape = p.states[st].shape;
+    if (shape == StateShape::Full) continue;
+    const bool cols = shape == StateShape::Cols;
+    const NodeId out = p.state_out[st];
+    const int sdt = static_cast<int>(var[2 + st].dtype);
+    std::string value;
+    if (p.graph.node(out).op == Op::Const) {
+      value = literal_float(p.graph.node(out).value);
+    } else {
+      const size_t q = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(plan.layout.row_values) : 0);
+      value = cols ? "mt.col_val[(m.col_offset + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
+                   : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
     }
+    s << "  // " << p.states[st].qualified << "\n";
+    if (cols) s << "  if (chunk_in_tensor == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
+    else s << "  for (int x = threadIdx.x; x < rows; x += OF_THREADS)\n";
+    s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "x" : "r0 + x")
+      << ", " << value << ");\n";
   }
   s << "}\n";
   return s.str();
@@ -269,6 +306,23 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
       << "(const OfTensor& t, long long x, bool cols, float* st) {\n"
       << "  if (cols) {\n" << line_state_loads(plan, variants[k], true, "x", "    ") << "  } else {\n"
       << line_state_loads(plan, variants[k], false, "x", "    ") << "  }\n  (void)t; (void)x; (void)st;\n}\n";
+  auto load_states = [&](const std::string& x, bool cols, const std::string& ind) {
+    std::ostringstream o;
+    o << ind << "switch (t.variant) {\n";
+    for (size_t k = 0; k < variants.size(); ++k)
+      o << ind << "  case " << k << ": of_values" << i << "_states_v" << k << "(t, " << x << ", " << (cols ? "true" : "false")
+        << ", st); break;\n";
+    o << ind << "  default: break;\n" << ind << "}\n";
+    return o.str();
+  };
+  // The per-tensor sums of row values this step takes (levels <= limit).
+  std::vector<std::pair<int, bool>> row_sums;  // (tensor_reductions slot, AnyNonFinite)
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    const NodeId node = plan.reductions[r];
+    if (plan.is_value_reduction(node) && plan.kind[static_cast<size_t>(g.node(node).in[0])] == ValueKind::Row &&
+        plan.level[static_cast<size_t>(node)] <= limit)
+      row_sums.push_back({plan.reduction_area_slot[r], g.node(node).op == Op::AnyNonFinite});
+  }
   s << "\n// The Values step before pass " << i << ": row and column values (levels <= " << limit << ")\n"
     << "extern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_values" << i
     << "(const OfTensor* __restrict__ tensors, const OfValueItem* __restrict__ items, int num_items, const double* table, "
@@ -276,6 +330,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
        "const float* grad_scale, const float* found_inf, OfMatrixTables mt) {\n"
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
     << "  __shared__ double globals[2];\n  __shared__ double scratch[OF_THREADS / 32];\n"
+    << "  __shared__ double colsum[OF_COL_REDS_ARRAY][OF_THREADS / 32][32];\n  __shared__ int last_item;\n"
     << "  if (threadIdx.x == 0) {\n    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
     << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n  __syncthreads();\n"
     << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n    double steps_unused;\n"
@@ -283,7 +338,8 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
     << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
     << (ustates ? ", ustate_unused" : "") << ");\n  }\n  __syncthreads();\n"
-    << "  for (int it = blockIdx.x; it < num_items; it += gridDim.x) {\n"
+    << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  (void)lane; (void)warp; (void)colsum; (void)last_item;\n"
+    << "  for (int it = blockIdx.x; it < num_items; it += gridDim.x) {  // (uniform over the block)\n"
     << "    const OfValueItem item = items[it];\n"
     << "    const OfTensor& t = tensors[item.tensor];\n    const OfMatrix m = mt.m[item.tensor];\n"
     << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
@@ -292,58 +348,72 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "    double shape[4];\n    of_shape(t, m, shape);\n";
   if (L.tensor_values > 0)
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, shape, u + OF_DERIVED);\n";
-  s << "    const long long C = m.cols, R = t.numel / C;\n    (void)R;\n"
+  s << "    const long long C = m.cols;\n"
     << "    float st[OF_ROLES];\n    float out[OF_ROW_VALUES_ARRAY > OF_COL_VALUES_ARRAY ? OF_ROW_VALUES_ARRAY : OF_COL_VALUES_ARRAY];\n"
     << "    double sums[OF_TENSOR_REDUCTIONS_ARRAY] = {0.0};\n"
-    << "    for (long long c = item.col_begin + threadIdx.x; c < item.col_begin + item.col_count; c += OF_THREADS) {\n"
-    << "      double red[OF_COL_REDS_ARRAY];\n";
+    << "    if (!item.rows) {\n"
+    << "      // Columns: lane l takes column begin + l; warp w its chunk partials w, w + 8, ... (in order),\n"
+    << "      // then warp 0 the warps' sums in order: a fixed order, whatever the grid.\n"
+    << "      const long long c = item.begin + lane;\n      const bool on = lane < item.count;\n";
+  std::vector<std::pair<int, bool>> combined;  // column reductions produced by the pass just run
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.scope_of(r) != Scope::Col) continue;
+    if (plan.level[static_cast<size_t>(plan.reductions[r])] == limit && i > 0)
+      combined.push_back({plan.reduction_area_slot[r], g.node(plan.reductions[r]).op == Op::AnyNonFinite});
+  }
+  for (auto [slot, any] : combined)
+    s << "      {\n        double sum = 0.0;\n"
+      << "        if (on)\n          for (int q = warp; q < t.num_chunks; q += OF_THREADS / 32)\n"
+      << "            sum += mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + " << slot << "];\n"
+      << "        colsum[" << slot << "][warp][lane] = sum;\n      }\n";
+  if (!combined.empty()) s << "      __syncthreads();\n";
+  s << "      if (warp == 0 && on) {\n        double red[OF_COL_REDS_ARRAY];\n";
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
     const int slot = plan.reduction_area_slot[r];
-    const int level = plan.level[static_cast<size_t>(plan.reductions[r])];
-    const bool any = g.node(plan.reductions[r]).op == Op::AnyNonFinite;
     const std::string at = "mt.col_red[(m.col_offset + c) * OF_COL_REDS + " + std::to_string(slot) + "]";
-    if (level == limit && i > 0)  // produced by the pass just run: its partials, in chunk order
-      s << "      {\n        double sum = 0.0;\n"
-        << "        for (int q = 0; q < t.num_chunks; ++q) sum += mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + "
-        << slot << "];\n        red[" << slot << "] = " << flag("sum", any) << ";\n        " << at << " = red[" << slot
-        << "];\n      }\n";
+    const bool fresh = std::find(combined.begin(), combined.end(),
+                                 std::make_pair(slot, g.node(plan.reductions[r]).op == Op::AnyNonFinite)) != combined.end();
+    if (fresh)
+      s << "        {\n          double sum = 0.0;\n          for (int w = 0; w < OF_THREADS / 32; ++w) sum += colsum[" << slot
+        << "][w][lane];\n          red[" << slot << "] = " << flag("sum", g.node(plan.reductions[r]).op == Op::AnyNonFinite)
+        << ";\n          " << at << " = red[" << slot << "];\n        }\n";
     else
-      s << "      red[" << slot << "] = " << at << ";\n";
+      s << "        red[" << slot << "] = " << at << ";\n";
   }
-  s << "      switch (t.variant) {\n";
-  for (size_t k = 0; k < variants.size(); ++k)
-    s << "        case " << k << ": of_values" << i << "_states_v" << k << "(t, c, true, st); break;\n";
-  s << "        default: break;\n      }\n"
-    << "      of_phase" << i << "_cols(u, st, red, out, sums);\n";
+  s << load_states("c", true, "        ") << "        of_phase" << i << "_cols(u, st, red, out, sums);\n";
   for (size_t q = 0; q < plan.col_derived.size(); ++q)
     if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
-      s << "      mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
-  s << "    }\n"
-    << "    if (item.rows) {  // uniform over the block\n"
-    << "      for (int q = 0; q < OF_TENSOR_REDUCTIONS_ARRAY; ++q) sums[q] = 0.0;\n"
-    << "      for (long long r = threadIdx.x; r < R; r += OF_THREADS) {\n"
-    << "        switch (t.variant) {\n";
-  for (size_t k = 0; k < variants.size(); ++k)
-    s << "          case " << k << ": of_values" << i << "_states_v" << k << "(t, r, false, st); break;\n";
-  s << "          default: break;\n        }\n"
+      s << "        mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
+  s << "      }\n"
+    << "    } else {\n"
+    << "      // Rows: thread x takes rows begin + x, + 256, ... of the item\n"
+    << "      for (long long r = item.begin + threadIdx.x; r < item.begin + item.count; r += OF_THREADS) {\n"
+    << load_states("r", false, "        ")
     << "        of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
   for (size_t q = 0; q < plan.row_derived.size(); ++q)
     if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
       s << "        mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
   s << "      }\n";
-  for (size_t r = 0; r < plan.reductions.size(); ++r) {
-    const NodeId node = plan.reductions[r];
-    if (!plan.is_value_reduction(node) || plan.kind[static_cast<size_t>(g.node(node).in[0])] != ValueKind::Row ||
-        plan.level[static_cast<size_t>(node)] > limit)
-      continue;
-    const int slot = plan.reduction_area_slot[r];
-    s << "      {  // a per-tensor sum of row values: a fixed block tree\n"
-      << "        const double total = of_block_sum(sums[" << slot << "], scratch);\n"
-      << "        if (threadIdx.x == 0) tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << slot << "] = "
-      << flag("total", g.node(node).op == Op::AnyNonFinite) << ";\n      }\n";
+  if (!row_sums.empty()) {
+    // Each row item's sums (a fixed block tree), then the tensor's last row item to finish adds
+    // them in item order: deterministic whichever block is last.
+    for (auto [slot, any] : row_sums)
+      s << "      {\n        const double total = of_block_sum(sums[" << slot << "], scratch);\n"
+        << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << slot << "] = total;\n      }\n";
+    s << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
+      << "        last_item = atomicAdd(mt.finished + item.tensor, 1u) == (unsigned)item.items - 1u;\n      }\n"
+      << "      __syncthreads();\n"
+      << "      if (last_item && threadIdx.x == 0) {\n        __threadfence();\n";
+    for (auto [slot, any] : row_sums)
+      s << "        {\n          double sum = 0.0;\n"
+        << "          for (int j = 0; j < item.items; ++j) sum += mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + "
+        << slot << "];\n"
+        << "          tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << slot << "] = " << flag("sum", any)
+        << ";\n        }\n";
+    s << "        mt.finished[item.tensor] = 0u;  // ready for the next launch (or graph replay)\n      }\n";
   }
-  s << "    }\n    __syncthreads();  // scratch and the items' shared state\n  }\n"
+  s << "    }\n    __syncthreads();  // colsum, scratch and last_item are reused by the next item\n  }\n"
     << "  (void)tensor_reductions; (void)scratch;\n}\n";
   return s.str();
 }

@@ -15,6 +15,7 @@
 // Uploads are queued on the stream of the last step (before the first step: the legacy default
 // stream); a step on another stream first waits, on the device, for the uploads queued so far.
 #include <algorithm>
+#include <iterator>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,8 +43,9 @@ const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: ch
 // OfMatrixTables (codegen/cuda_matrix_source.cpp) matches.
 struct DeviceMatrixTables {
   uint64_t matrices = 0, row_reductions = 0, col_partials = 0, col_reductions = 0, row_values = 0, col_values = 0;
+  uint64_t item_sums = 0, finished = 0;
 };
-static_assert(sizeof(DeviceMatrixTables) == 48, "DeviceMatrixTables is shared with generated code (OfMatrixTables)");
+static_assert(sizeof(DeviceMatrixTables) == 64, "DeviceMatrixTables is shared with generated code (OfMatrixTables)");
 
 // Resident threads per SM by compute capability (the driver's occupancy tables).
 int max_threads_per_sm(int arch) {
@@ -399,7 +401,7 @@ class CudaExecutor : public Executor {
     const ScalarLayout& L = plan_.layout;
     const MatrixLayout layout = matrix_layout(tensors, ranges_);
     const std::vector<DeviceMatrix> matrices = device_matrices(tensors, layout);
-    const std::vector<ValueItem> items = value_items(tensors, cuda_value_item_cols());
+    const std::vector<ValueItem> items = value_items(tensors, cuda_value_item_cols(), cuda_value_item_rows());
     auto bytes = [](int64_t entries, int per, size_t size) {
       return std::max<size_t>(1, static_cast<size_t>(entries) * static_cast<size_t>(per)) * size;
     };
@@ -409,10 +411,12 @@ class CudaExecutor : public Executor {
                             bytes(layout.cols, L.col_reductions, sizeof(double)),
                             bytes(layout.rows, L.row_values, sizeof(float)),
                             bytes(layout.cols, L.col_values, sizeof(float)),
-                            std::max<size_t>(1, items.size()) * sizeof(ValueItem)};
+                            std::max<size_t>(1, items.size()) * sizeof(ValueItem),
+                            bytes(static_cast<int64_t>(items.size()), L.tensor_reductions, sizeof(double)),
+                            std::max<size_t>(1, tensors.size()) * sizeof(unsigned)};
     for (cuda::DeviceBuffer& b : matrix_buffers_) retire(std::move(b));
     matrix_buffers_.clear();
-    for (size_t b = 0; b < 7; ++b) {
+    for (size_t b = 0; b < std::size(sizes); ++b) {
       matrix_buffers_.push_back(cuda::DeviceBuffer::ordered(sizes[b], stream_));
       cuda::memset_zero(matrix_buffers_.back().ptr(), sizes[b], stream_);
     }
@@ -420,8 +424,8 @@ class CudaExecutor : public Executor {
       uploads_.upload(matrix_buffers_[0].ptr(), matrices.data(), matrices.size() * sizeof(DeviceMatrix), stream_);
     if (!items.empty()) uploads_.upload(matrix_buffers_[6].ptr(), items.data(), items.size() * sizeof(ValueItem), stream_);
     num_items_ = static_cast<int>(items.size());
-    matrix_tables_ = {matrix_buffers_[0].ptr(), matrix_buffers_[1].ptr(), matrix_buffers_[2].ptr(),
-                      matrix_buffers_[3].ptr(), matrix_buffers_[4].ptr(), matrix_buffers_[5].ptr()};
+    matrix_tables_ = {matrix_buffers_[0].ptr(), matrix_buffers_[1].ptr(), matrix_buffers_[2].ptr(), matrix_buffers_[3].ptr(),
+                      matrix_buffers_[4].ptr(), matrix_buffers_[5].ptr(), matrix_buffers_[7].ptr(), matrix_buffers_[8].ptr()};
   }
 
   // A sharded step: a device buffer for every rank's partials and the tensors' global spans.
@@ -612,7 +616,8 @@ class CudaExecutor : public Executor {
   std::vector<CUfunction> combine_fns_;    // per phase: of_combine<i> for reduce phases, else null
   std::vector<CUfunction> value_fns_;      // matrix plans, per phase: of_values<i> (the Values step)
   // Matrix plans: per tensor set, the tables (DeviceMatrix rows, row reductions, column partials,
-  // column reductions, row values, column values) and the Values step's items, in that order.
+  // column reductions, row values, column values), the Values step's items, their sums of row
+  // values and the per-tensor counters of finished row items, in that order.
   std::vector<cuda::DeviceBuffer> matrix_buffers_;
   DeviceMatrixTables matrix_tables_;
   int num_items_ = 0;

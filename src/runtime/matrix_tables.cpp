@@ -49,14 +49,18 @@ std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors,
   return out;
 }
 
-std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item) {
+std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item, int32_t rows_per_item) {
   std::vector<ValueItem> items;
   for (size_t t = 0; t < tensors.size(); ++t) {
     if (tensors[t].param.numel == 0) continue;
-    const int64_t cols = matrix_view(tensors[t]).cols;
-    for (int64_t c = 0; c < cols; c += cols_per_item)
-      items.push_back({static_cast<int32_t>(t), static_cast<int32_t>(c),
-                       static_cast<int32_t>(std::min<int64_t>(cols_per_item, cols - c)), c == 0 ? 1 : 0});
+    const MatrixView v = matrix_view(tensors[t]);
+    const int32_t tensor = static_cast<int32_t>(t);
+    for (int64_t c = 0; c < v.cols; c += cols_per_item)
+      items.push_back({tensor, static_cast<int32_t>(c), static_cast<int32_t>(std::min<int64_t>(cols_per_item, v.cols - c)), 0, 0, 0});
+    const int32_t first = static_cast<int32_t>(items.size());
+    const int32_t n = static_cast<int32_t>((v.rows + rows_per_item - 1) / rows_per_item);
+    for (int64_t r = 0; r < v.rows; r += rows_per_item)
+      items.push_back({tensor, static_cast<int32_t>(r), static_cast<int32_t>(std::min<int64_t>(rows_per_item, v.rows - r)), 1, first, n});
   }
   return items;
 }

@@ -35,13 +35,15 @@ struct DeviceMatrix {
 static_assert(sizeof(DeviceMatrix) == 40, "DeviceMatrix is shared with generated code (OfMatrix)");
 std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors, const MatrixLayout& layout);
 
-// One block's work in the CUDA Values step: a range of a tensor's columns, and its rows where
-// `rows` is 1 (the tensor's first item). The generated struct OfValueItem matches.
+// One block's work in the CUDA Values step: a range [begin, begin + count) of a tensor's columns
+// (rows == 0) or rows (rows == 1). A tensor's row items are contiguous, `first` the index of its
+// first and `items` their number: the last of them to finish sums their per-tensor sums of row values
+// in item order. The generated struct OfValueItem matches.
 struct ValueItem {
-  int32_t tensor = 0, col_begin = 0, col_count = 0, rows = 0;
+  int32_t tensor = 0, begin = 0, count = 0, rows = 0, first = 0, items = 0;
 };
-static_assert(sizeof(ValueItem) == 16, "ValueItem is shared with generated code (OfValueItem)");
-std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item);
+static_assert(sizeof(ValueItem) == 24, "ValueItem is shared with generated code (OfValueItem)");
+std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_t cols_per_item, int32_t rows_per_item);
 
 // The host executors' tables, [entry][slot] row-major with the plan's per-entry counts.
 struct MatrixTables {

@@ -41,6 +41,10 @@ OptimizerErrorEnum = common_optimizers.OptimizerErrorEnum
 STEPS = 20
 F32_TOL = 1e-6
 CUDA_F32_TOL = 2e-6  # torch's CUDA kernels contract multiply-adds into FMAs; optfuse's do not
+# capturable=True on CUDA: torch computes the step-dependent scalars (bias corrections, RAdam's
+# rectification) as float32 tensors on the device, optfuse in float64 (measured on the H200:
+# RAdam 5.2e-6 after 20 steps)
+CUDA_CAPTURABLE_TOL = 1e-5
 STATE_TOL = 1e-4     # state tensors, relative to their own largest element (as test_training_loop.py)
 DROP_INS = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD",
             "Adafactor"]
@@ -114,7 +118,7 @@ def _variants(info, kwargs, device):
 def test_optim_db_configurations_match_torch(info, device, capsys, record_property):
     name = info.optim_cls.__name__
     ours_cls = getattr(oft, name)
-    tol = CUDA_F32_TOL if device.type == "cuda" else F32_TOL
+    base_tol = CUDA_F32_TOL if device.type == "cuda" else F32_TOL
     inputs = info.optim_inputs_func(device=device, dtype=torch.float32)
     assert inputs, f"torch's grid has no configuration for {name}"
     counts = collections.Counter()
@@ -159,6 +163,7 @@ def test_optim_db_configurations_match_torch(info, device, capsys, record_proper
                 failures.append(f"{label}: optfuse raised {type(e).__name__}: {e}")
                 continue
             d = rel_diff(ours_model, ref_model)
+            tol = CUDA_CAPTURABLE_TOL if device.type == "cuda" and kw.get("capturable") else base_tol
             moved = rel_diff(ref_model, make_model(device))
             state = _state_mismatch(ours, ref)
             if not d <= tol:

@@ -9,7 +9,7 @@ import torch
 
 from .. import _core
 from ._base import DeviceValue, FusedOptimizer, OptfuseError
-from ._optimizers import _reject, _torch_defaults, _wd_arg
+from ._optimizers import _torch_defaults, _wd_arg
 
 
 def _eps1(g):
@@ -31,7 +31,6 @@ class Adafactor(FusedOptimizer):
                  maximize=False):
         kw = dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay, foreach=foreach,
                   maximize=maximize)
-        _reject("Adafactor", kw)
         super().__init__(params, _torch_defaults(torch.optim.Adafactor, kw))
 
     def _check_param(self, p):

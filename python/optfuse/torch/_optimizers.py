@@ -11,9 +11,12 @@ from ._base import DeviceValue, FusedOptimizer, OptfuseError, _plain, _scalar_dt
 
 
 def _torch_defaults(cls, kwargs):
-    """The defaults dict torch's own class builds from these arguments (and its ValueErrors)."""
+    """The defaults dict torch's own class builds from these arguments: torch's errors first (e.g.
+    "`fused` does not support `differentiable`"), then the inputs optfuse refuses (_reject)."""
     dummy = torch.zeros(1, requires_grad=True)
-    return cls([dummy], **kwargs).defaults
+    defaults = cls([dummy], **kwargs).defaults
+    _reject(cls.__name__, kwargs)
+    return defaults
 
 
 def _reject(name, kwargs):
@@ -63,7 +66,6 @@ class SGD(MomentumFromFirstGradient, _OptionalWeightDecay):
                  maximize=False, foreach=None, differentiable=False, fused=None):
         kw = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                   maximize=maximize, foreach=foreach, differentiable=differentiable, fused=fused)
-        _reject("SGD", kw)
         super().__init__(params, _torch_defaults(torch.optim.SGD, kw))
 
     def _structure(self, g):
@@ -90,7 +92,6 @@ class Adam(_OptionalWeightDecay):
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None, **extra):
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, foreach=foreach,
                   maximize=maximize, capturable=capturable, differentiable=differentiable, fused=fused, **extra)
-        _reject(type(self).__name__, kw)
         self._init(params, kw)
 
     def _init(self, params, kw):
@@ -128,7 +129,6 @@ class AdamW(Adam):
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                   foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused)
-        _reject("AdamW", kw)
         self._init(params, kw)
 
     def _structure(self, g):
@@ -144,7 +144,6 @@ class Adagrad(_OptionalWeightDecay):
         kw = dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                   initial_accumulator_value=initial_accumulator_value, eps=eps, foreach=foreach, maximize=maximize,
                   differentiable=differentiable, fused=fused)
-        _reject("Adagrad", kw)
         super().__init__(params, _torch_defaults(torch.optim.Adagrad, kw))
         # torch's Adagrad creates its state at construction (step 0, sum = initial value)
         for group in self.param_groups:
@@ -178,7 +177,6 @@ class RMSprop(_OptionalWeightDecay):
                  capturable=False, foreach=None, maximize=False, differentiable=False):
         kw = dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered,
                   capturable=capturable, foreach=foreach, maximize=maximize, differentiable=differentiable)
-        _reject("RMSprop", kw)
         super().__init__(params, _torch_defaults(torch.optim.RMSprop, kw))
 
     def _structure(self, g):
@@ -242,7 +240,6 @@ class RAdam(_DecoupledWeightDecayOption):
                  foreach=None, maximize=False, capturable=False, differentiable=False):
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, decoupled_weight_decay=decoupled_weight_decay,
                   foreach=foreach, maximize=maximize, capturable=capturable, differentiable=differentiable)
-        _reject("RAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.RAdam, kw))
 
     def _make_chain(self, key, features, groups):
@@ -270,7 +267,6 @@ class NAdam(_DecoupledWeightDecayOption):
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum_decay=momentum_decay,
                   decoupled_weight_decay=decoupled_weight_decay, foreach=foreach, maximize=maximize,
                   capturable=capturable, differentiable=differentiable)
-        _reject("NAdam", kw)
         super().__init__(params, _torch_defaults(torch.optim.NAdam, kw))
 
     def _make_chain(self, key, features, groups):
@@ -295,7 +291,6 @@ class Adamax(_OptionalWeightDecay):
                  maximize=False, differentiable=False, capturable=False):
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach, maximize=maximize,
                   differentiable=differentiable, capturable=capturable)
-        _reject("Adamax", kw)
         super().__init__(params, _torch_defaults(torch.optim.Adamax, kw))
 
     def _structure(self, g):
@@ -321,7 +316,6 @@ class Adadelta(_OptionalWeightDecay):
                  maximize=False, differentiable=False):
         kw = dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, foreach=foreach, capturable=capturable,
                   maximize=maximize, differentiable=differentiable)
-        _reject("Adadelta", kw)
         super().__init__(params, _torch_defaults(torch.optim.Adadelta, kw))
 
     def _structure(self, g):
@@ -346,7 +340,6 @@ class Rprop(FusedOptimizer):
                  maximize=False, differentiable=False):
         kw = dict(lr=lr, etas=etas, step_sizes=step_sizes, capturable=capturable, foreach=foreach, maximize=maximize,
                   differentiable=differentiable)
-        _reject("Rprop", kw)
         super().__init__(params, _torch_defaults(torch.optim.Rprop, kw))
 
     def _structure(self, g):
@@ -447,7 +440,6 @@ class ASGD(_OptionalWeightDecay):
                  differentiable=False, capturable=False):
         kw = dict(lr=lr, lambd=lambd, alpha=alpha, t0=t0, weight_decay=weight_decay, foreach=foreach,
                   maximize=maximize, differentiable=differentiable, capturable=capturable)
-        _reject("ASGD", kw)
         super().__init__(params, _torch_defaults(torch.optim.ASGD, kw))
 
     def _structure(self, g):
