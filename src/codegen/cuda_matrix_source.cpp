@@ -98,7 +98,8 @@ std::string cuda_matrix_prelude(const Plan& plan) {
   std::ostringstream s;
   s << "\n// Matrix plans (codegen/cuda_matrix_source.h)\n"
     << "#define OF_MROWS " << kMatrixChunkRows << "\n"
-    << "#ifndef OF_MUNROLL\n#define OF_MUNROLL 8  // rows whose loads a matrix chunk loop issues together\n#endif\n"
+    << "// Rows whose loads a matrix chunk loop issues together, with 1 and 4 columns per thread\n"
+    << "#ifndef OF_MUNROLL1\n#define OF_MUNROLL1 8\n#endif\n#ifndef OF_MUNROLL4\n#define OF_MUNROLL4 4\n#endif\n#ifndef OF_MUNROLL4W\n#define OF_MUNROLL4W 2\n#endif\n"
     << "#define OF_ROW_REDS " << L.row_reductions << "\n#define OF_ROW_REDS_ARRAY " << std::max(L.row_reductions, 1) << "\n"
     << "#define OF_COL_REDS " << L.col_reductions << "\n#define OF_COL_REDS_ARRAY " << std::max(L.col_reductions, 1) << "\n"
     << "#define OF_ROW_VALUES " << L.row_values << "\n#define OF_ROW_VALUES_ARRAY " << std::max(L.row_values, 1) << "\n"
@@ -115,6 +116,27 @@ struct OfMatrixTables {
   unsigned* finished;  // per tensor: its row items done this step (the last one resets it)
 };
 struct OfValueItem { int tensor, begin, count, rows, first, items; };  // ValueItem
+// Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that).
+template <int DT> __device__ __forceinline__ void of_load4(const typename OfStorage<DT>::E* p, float* out) {
+  if constexpr (DT == 0) {
+    const float4 x = *(const float4*)p;
+    out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
+  } else {
+    const uint2 x = *(const uint2*)p;
+    out[0] = of_widen<DT>((unsigned short)(x.x & 0xffffu)); out[1] = of_widen<DT>((unsigned short)(x.x >> 16));
+    out[2] = of_widen<DT>((unsigned short)(x.y & 0xffffu)); out[3] = of_widen<DT>((unsigned short)(x.y >> 16));
+  }
+}
+template <int DT> __device__ __forceinline__ void of_store4(typename OfStorage<DT>::E* p, const float* v) {
+  if constexpr (DT == 0) {
+    *(float4*)p = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    uint2 x;
+    x.x = (unsigned)of_narrow<DT>(v[0]) | ((unsigned)of_narrow<DT>(v[1]) << 16);
+    x.y = (unsigned)of_narrow<DT>(v[2]) | ((unsigned)of_narrow<DT>(v[3]) << 16);
+    *(uint2*)p = x;
+  }
+}
 __device__ __forceinline__ void of_shape(const OfTensor& t, const OfMatrix& m, double* shape) {
   shape[0] = (double)t.numel; shape[1] = (double)(t.numel / m.cols); shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
 }
@@ -203,52 +225,99 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         << "      if (threadIdx.x == 0) mt.col_part[(m.colpart_offset + chunk_in_tensor) * OF_COL_REDS + " << r.slot
         << "] = " << flag("total", r.any) << ";\n    }\n";
   s << "  } else {\n";
-  // Wider views: threads take columns (tiles of OF_THREADS), each walks the chunk's rows; a row's
-  // sum is per warp (shuffle tree) into srow[slot][row][warp], then the warps in order into racc.
+  // Wider views: threads take columns, W consecutive ones each (tiles of W * OF_THREADS), and walk
+  // the chunk's rows, OF_MUNROLL<W> rows' loads at a time; W = 4 (16-byte float32 or 8-byte 16-bit
+  // loads and stores) where the view's width and every role's address allow it, else 1. A row's sum
+  // is per warp (shuffle tree) into srow[slot][row][warp], then the warps in order into racc.
   if (row_reds)
     s << "    for (int x = threadIdx.x; x < OF_ROW_REDS * OF_MROWS; x += OF_THREADS) racc[x] = 0.0;\n"
       << "    __syncthreads();\n";
-  s << "    for (long long tile = 0; tile < C; tile += OF_THREADS) {\n"
-    << "      const long long c = tile + threadIdx.x;\n      const bool active = c < C;\n";
-  if (plan.layout.col_values > 0) s << "      if (active) {\n" << col_values("c", "        ") << "      }\n";
-  if (col_reds) s << "      double cacc[OF_COL_REDS_ARRAY] = {0.0};\n";
-  // Rows in groups of OF_MUNROLL: every load of a group is issued before any math (memory-level
-  // parallelism: one thread's column walks the rows one at a time otherwise).
-  s << "      for (int rg = 0; rg < rows; rg += OF_MUNROLL) {\n";
-  for (int r : pr.reads) s << "       float in" << r << "[OF_MUNROLL];\n";
-  s << "       #pragma unroll\n       for (int k = 0; k < OF_MUNROLL; ++k)\n"
-    << "        if (active && rg + k < rows) {\n          const long long e = (long long)(rg + k) * C + c;\n";
-  for (int r : pr.reads)
-    s << "          in" << r << "[k] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
-  s << "        }\n"
-    << "       #pragma unroll\n       for (int k = 0; k < OF_MUNROLL; ++k) {\n"
-    << "        const int r = rg + k;\n        if (r >= rows) break;  // (uniform over the block)\n"
-    << "        double a[" << nred << "] = {0.0};\n"
-    << "        if (active) {\n" << row_values("r0 + r", "          ") << "          float v[OF_ROLES];\n";
-  for (int r : pr.reads) s << "          v[" << r << "] = in" << r << "[k];\n";
-  s << "          of_phase" << i << "_element(v, u, a);\n        }\n";
-  for (const PhaseReduction& r : reds) {
-    if (r.scope == Scope::Row)
-      s << "        {\n          double x = a[" << r.k << "];\n"
-        << "          for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);\n"
-        << "          if ((threadIdx.x & 31) == 0) srow[(" << r.slot << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n"
-        << "        }\n";
-    if (r.scope == Scope::Col) s << "        cacc[" << r.slot << "] += a[" << r.k << "];\n";
-  }
-  s << others("        ") << "       }\n      }\n";
-  for (const PhaseReduction& r : reds)
-    if (r.scope == Scope::Col)
-      s << "      if (active) mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c) * OF_COL_REDS + " << r.slot << "] = "
-        << flag("cacc[" + std::to_string(r.slot) + "]", r.any) << ";\n";
-  if (row_reds)
-    s << "      __syncthreads();\n"
-      << "      for (int x = threadIdx.x; x < OF_ROW_REDS * rows; x += OF_THREADS) {\n"
-      << "        const int q = x / rows, r = x % rows;\n"
-      << "        double sum = 0.0;\n"
-      << "        for (int w = 0; w < OF_THREADS / 32; ++w) sum += srow[(q * OF_MROWS + r) * (OF_THREADS / 32) + w];\n"
-      << "        racc[q * OF_MROWS + r] += sum;\n      }\n"
-      << "      __syncthreads();\n";
-  s << "    }\n";
+  std::string aligned = "C % 4 == 0";
+  for (int r : pr.used)
+    aligned += " && ((unsigned long long)" + nm(r) + "_p % " + std::to_string(4 * dtype_size(var[static_cast<size_t>(r)].dtype)) + "u) == 0";
+  auto tile_loop = [&](int W, const std::string& ind) {
+    std::ostringstream o;
+    // rows whose loads are issued together (fewer where the loop also stores: registers)
+    const std::string U = W == 1 ? "OF_MUNROLL1" : pr.writes.empty() ? "OF_MUNROLL4" : "OF_MUNROLL4W";
+    o << ind << "for (long long tile = 0; tile < C; tile += " << W << "LL * OF_THREADS) {\n"
+      << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n"
+      << ind << "  const bool active = c0 < C;\n";
+    if (plan.layout.col_values > 0)
+      o << ind << "  float colv[" << W << "][OF_COL_VALUES_ARRAY];\n"
+        << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
+        << ind << "      for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(m.col_offset + c0 + w) * OF_COL_VALUES + q];\n";
+    if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
+    o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
+    for (int r : pr.reads) o << ind << "    float in" << r << "[" + U + "][" << W << "];\n";
+    o << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k)\n"
+      << ind << "      if (active && rg + k < rows) {\n"
+      << ind << "        const long long e = (long long)(rg + k) * C + c0;\n";
+    for (int r : pr.reads) {
+      if (W == 4)
+        o << ind << "        of_load4<" << dt(r) << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
+      else
+        o << ind << "        in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
+          << "_p + e);\n";
+    }
+    o << ind << "      }\n"
+      << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k) {\n"
+      << ind << "      const int r = rg + k;\n" << ind << "      if (r >= rows) break;  // (uniform over the block)\n"
+      << ind << "      const long long e = (long long)r * C + c0;\n" << ind << "      (void)e;\n";
+    if (plan.layout.row_values > 0) o << ind << "      if (active) {\n" << row_values("r0 + r", ind + "        ") << ind << "      }\n";
+    if (row_reds) o << ind << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
+    for (int r : pr.writes) o << ind << "      float out" << r << "[" << W << "];\n";
+    o << ind << "      #pragma unroll\n" << ind << "      for (int w = 0; w < " << W << "; ++w) {\n"
+      << ind << "        double a[" << nred << "] = {0.0};\n"
+      << ind << "        if (active) {\n";
+    if (plan.layout.col_values > 0)
+      o << ind << "          for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = colv[w][q];\n";
+    o << ind << "          float v[OF_ROLES];\n";
+    for (int r : pr.reads) o << ind << "          v[" << r << "] = in" << r << "[k][w];\n";
+    o << ind << "          of_phase" << i << "_element(v, u, a);\n";
+    for (int r : pr.writes) o << ind << "          out" << r << "[w] = v[" << r << "];\n";
+    o << ind << "        }\n";
+    for (const PhaseReduction& r : reds) {
+      if (r.scope == Scope::Row) o << ind << "        rowpart[" << r.slot << "] += a[" << r.k << "];\n";
+      if (r.scope == Scope::Col) o << ind << "        cacc[w][" << r.slot << "] += a[" << r.k << "];\n";
+    }
+    o << others(ind + "        ") << ind << "      }\n";
+    if (!pr.writes.empty()) {
+      o << ind << "      if (active) {\n";
+      for (int r : pr.writes) {
+        if (var[static_cast<size_t>(r)].stochastic)
+          o << ind << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
+            << "[w], of_rng_bits(rng, rng_first + (unsigned long long)(e + w), " << r << "));\n";
+        else if (W == 4)
+          o << ind << "        of_store4<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << ");\n";
+        else
+          o << ind << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
+      }
+      o << ind << "      }\n";
+    }
+    for (const PhaseReduction& r : reds)
+      if (r.scope == Scope::Row)
+        o << ind << "      {\n" << ind << "        double x = rowpart[" << r.slot << "];\n"
+          << ind << "        for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);\n"
+          << ind << "        if ((threadIdx.x & 31) == 0) srow[(" << r.slot
+          << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n" << ind << "      }\n";
+    o << ind << "    }\n" << ind << "  }\n";
+    for (const PhaseReduction& r : reds)
+      if (r.scope == Scope::Col)
+        o << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
+          << ind << "      mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c0 + w) * OF_COL_REDS + " << r.slot << "] = "
+          << flag("cacc[w][" + std::to_string(r.slot) + "]", r.any) << ";\n";
+    if (row_reds)
+      o << ind << "  __syncthreads();\n"
+        << ind << "  for (int x = threadIdx.x; x < OF_ROW_REDS * rows; x += OF_THREADS) {\n"
+        << ind << "    const int q = x / rows, r = x % rows;\n"
+        << ind << "    double sum = 0.0;\n"
+        << ind << "    for (int w = 0; w < OF_THREADS / 32; ++w) sum += srow[(q * OF_MROWS + r) * (OF_THREADS / 32) + w];\n"
+        << ind << "    racc[q * OF_MROWS + r] += sum;\n" << ind << "  }\n"
+        << ind << "  __syncthreads();\n";
+    o << ind << "}\n";
+    return o.str();
+  };
+  s << "    if (" << aligned << ") {\n" << tile_loop(4, "      ") << "    } else {\n" << tile_loop(1, "      ") << "    }\n";
   for (const PhaseReduction& r : reds)
     if (r.scope == Scope::Row)
       s << "    for (int r = threadIdx.x; r < rows; r += OF_THREADS)\n"

@@ -251,25 +251,9 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   auto type = [&](int r) { return dt(r) == 0 ? std::string("float") : std::string("unsigned short"); };
   size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   std::ostringstream s;
-  // A matrix plan's pass without row or column reductions: this loop, each element first reading
-  // its row's and column's values into u (matrix_values below; the chunk is whole rows).
-  const bool matrix = plan.matrix();
   s << "\n// phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
-    << "__device__ __forceinline__ void of_phase" << i << "_v" << k << "_chunk(const OfTensor& t, void* grad, long long begin, int len, "
-    << (matrix ? "float* u, double* acc, unsigned long long rng, const OfMatrix& m, const OfMatrixTables& mt" : "const float* u, double* acc, unsigned long long rng")
-    << ") {\n";
-  if (matrix) s << "  const unsigned mcols = (unsigned)m.cols;\n  const long long mrow0 = m.row_offset + begin / m.cols;\n  (void)mcols; (void)mrow0;\n";
-  auto matrix_values = [&](const std::string& idx, const std::string& ind) {
-    if (!matrix) return std::string();
-    std::ostringstream o;
-    o << ind << "{\n" << ind << "  const unsigned mr = (unsigned)(" << idx << ") / mcols, mc = (unsigned)(" << idx << ") - mr * mcols;\n";
-    if (plan.layout.row_values > 0)
-      o << ind << "  for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = mt.row_val[(mrow0 + mr) * OF_ROW_VALUES + q];\n";
-    if (plan.layout.col_values > 0)
-      o << ind << "  for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = mt.col_val[(m.col_offset + mc) * OF_COL_VALUES + q];\n";
-    o << ind << "  (void)mr; (void)mc;\n" << ind << "}\n";
-    return o.str();
-  };
+    << "__device__ __forceinline__ void of_phase" << i << "_v" << k
+    << "_chunk(const OfTensor& t, void* grad, long long begin, int len, const float* u, double* acc, unsigned long long rng) {\n";
   if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
     s << "  (void)t; (void)grad; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
     return s.str();
@@ -315,7 +299,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "    float v[OF_ROLES];\n";
   for (int r : pr.reads)
     s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
-  s << matrix_values("e", "    ") << "    of_phase" << i << "_element(v, u, acc);\n";
+  s << "    of_phase" << i << "_element(v, u, acc);\n";
   for (int r : pr.writes) s << "    " << store1(r, "e") << ";\n";
   s << "  }\n";
   // Vector body: all loads of a pass first (memory-level parallelism), then math and stores.
@@ -340,7 +324,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   s << "        #pragma unroll\n        for (int e = 0; e < kVec; ++e) {\n"
     << "          float v[OF_ROLES];\n";
   for (int r : pr.reads) s << "          v[" << r << "] = of_lane<" << dt(r) << ">(" << nm(r) << "_in[k], e);\n";
-  s << matrix_values("head + vi * kVec + e", "          ") << "          of_phase" << i << "_element(v, u, acc_u[k]);\n";
+  s << "          of_phase" << i << "_element(v, u, acc_u[k]);\n";
   for (int r : pr.writes) {
     if (var[static_cast<size_t>(r)].stochastic)
       s << "          of_set_lane_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
@@ -446,15 +430,12 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   else
     s << "    const unsigned long long rng = 0;\n";
   s << "    switch (t.variant) {\n";
-  // A matrix plan: row or column reductions need the matrix chunk loop, other passes read row and
-  // column values in the vector loop; the update pass then commits Rows and Cols states.
-  const bool line_reds = matrix && cuda_phase_has_line_reductions(plan, i);
+  // A matrix plan: the matrix chunk loop (cuda_matrix_source.h); the update pass then commits Rows
+  // and Cols states.
   for (size_t k = 0; k < variants.size(); ++k)
-    if (line_reds)
+    if (matrix)
       s << "      case " << k << ": of_phase" << i << "_v" << k
-        << "_mchunk(t, m, grad, ch.begin, ch.length, u, acc, rng, c - t.first_chunk, mt, of_srow, of_racc, scratch); break;\n";
-    else if (matrix)
-      s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng, m, mt);"
+        << "_mchunk(t, m, grad, ch.begin, ch.length, u, acc, rng, c - t.first_chunk, mt, of_srow, of_racc, scratch);"
         << (update ? " of_phase" + std::to_string(i) + "_v" + std::to_string(k) + "_commit(t, m, ch.begin, ch.length, c - t.first_chunk, mt);" : "")
         << " break;\n";
     else
@@ -532,7 +513,7 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);
     for (size_t k = 0; k < variants.size(); ++k) {
-      if (!plan.matrix() || !cuda_phase_has_line_reductions(plan, i)) s << chunk_function(plan, i, k, variants[k]);
+      if (!plan.matrix()) s << chunk_function(plan, i, k, variants[k]);
       else s << cuda_matrix_chunk_function(plan, i, k, variants[k]);
       if (plan.matrix() && plan.phases[i].kind == ElementPhase::Kind::Update) s << cuda_matrix_commit_function(plan, i, k, variants[k]);
     }

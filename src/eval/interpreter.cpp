@@ -290,6 +290,7 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
   }
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& ref = tensors[t];
+    if (ref.param.numel == 0) continue;  // no rows: its column (if any) has no values either (as on CUDA)
     const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
     const std::array<double, 4> shape = shape_values(ref);
     eval_tensor_values(plan, limit, derived, tensor_reductions.data() + t * RT, shape.data(), tensor_val);
@@ -350,7 +351,7 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
   const size_t D = plan.derived.size() + plan.tensor_derived.size();
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& ref = tensors[t];
-    if (table[L.skip_offset(groups) + ref.group] != 0.0) continue;
+    if (table[L.skip_offset(groups) + ref.group] != 0.0 || ref.param.numel == 0) continue;
     const MatrixView view = matrix_view(ref);
     for (size_t s = 0; s < p.states.size(); ++s) {
       const StateShape shape = p.states[s].shape;
