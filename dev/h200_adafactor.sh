@@ -34,7 +34,10 @@ if has bench; then
     --json "$out/adafactor_vs_torch.json" 2>&1 | tail -20
 fi
 if has profile; then
-  echo "== Adafactor kernels, llama-1b ($(date +%T))"
-  timeout 200 python3 dev/kernel_times.py --optimizer Adafactor --workload llama-1b 2>&1 | tail -20
+  # the matrix chunk loop's unrolling (OPTFUSE_CUDA_DEFINES: -D options of the generated source)
+  for defs in "" "-DOF_MUNROLL4=8 -DOF_MUNROLL4W=4" "-DOF_MUNROLL4=2 -DOF_MUNROLL4W=1"; do
+    echo "== Adafactor kernels, llama-1b, defines '${defs}' ($(date +%T))"
+    OPTFUSE_CUDA_DEFINES="$defs" timeout 200 python3 dev/kernel_times.py --optimizer Adafactor --workload llama-1b 2>&1 | grep -v Warn | tail -9
+  done
 fi
 echo "== done ($(date +%T))"
