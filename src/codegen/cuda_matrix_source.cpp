@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "codegen/c_printer.h"
+#include "codegen/cuda_source.h"
 
 namespace optfuse {
 
@@ -367,7 +368,6 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   const Graph& g = plan.program.graph;
   const int limit = plan.value_level_limit(plan.phases[i]);
   const ScalarLayout& L = plan.layout;
-  const bool ustates = L.uniform_states_per_group > 0;
   std::ostringstream s;
   // Per variant: the Rows or Cols states of element x, loaded as float.
   for (size_t k = 0; k < variants.size(); ++k)
@@ -400,13 +400,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
     << "  __shared__ double globals[2];\n  __shared__ double scratch[OF_THREADS / 32];\n"
     << "  __shared__ double colsum[OF_COL_REDS_ARRAY][OF_THREADS / 32][32];\n  __shared__ int last_item;\n"
-    << "  if (threadIdx.x == 0) {\n    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
-    << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n  __syncthreads();\n"
-    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n    double steps_unused;\n"
-    << (ustates ? "    double ustate_unused[OF_USTATES];\n" : "")
-    << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
-    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
-    << (ustates ? ", ustate_unused" : "") << ");\n  }\n  __syncthreads();\n"
+    << cuda_uniform_prologue(plan, i)
     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  (void)lane; (void)warp; (void)colsum; (void)last_item;\n"
     << "  for (int it = blockIdx.x; it < num_items; it += gridDim.x) {  // (uniform over the block)\n"
     << "    const OfValueItem item = items[it];\n"

@@ -394,18 +394,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     << "  __shared__ int last_block;\n"
     << (matrix && row_reds ? "  __shared__ double of_srow[OF_ROW_REDS_ARRAY * OF_MROWS * (OF_THREADS / 32)], of_racc[OF_ROW_REDS_ARRAY * OF_MROWS];\n"
                            : matrix ? "  double* const of_srow = nullptr;\n  double* const of_racc = nullptr;\n" : "")
-    << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
-    << "    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
-    << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n"
-    << "  __syncthreads();\n"
-    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n"
-    << "    double steps_unused;\n"
-    << (ustates ? "    double ustate_unused[OF_USTATES];  // the commit is the last block's, after every block read the old values\n" : "")
-    << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
-    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
-    << (ustates ? ", ustate_unused" : "") << ");\n"
-    << "  }\n"
-    << "  __syncthreads();\n"
+    << cuda_uniform_prologue(plan, i)
     << "  if ((long long)blockIdx.x < num_chunks) {\n"
     << "  OfChunk ch = chunks[blockIdx.x];\n"
     << "  for (long long c = blockIdx.x; c < num_chunks; c += gridDim.x) {\n"
@@ -480,6 +469,24 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
 }
 
 }  // namespace
+
+std::string cuda_uniform_prologue(const Plan& plan, size_t i) {
+  const bool ustates = plan.layout.uniform_states_per_group > 0;
+  std::ostringstream s;
+  s << "  if (threadIdx.x == 0) {  // the step's globals, read on the device: no host synchronisation\n"
+    << "    globals[0] = grad_scale ? (double)*grad_scale : 1.0;\n"
+    << "    globals[1] = found_inf ? (double)*found_inf : 0.0;\n  }\n"
+    << "  __syncthreads();\n"
+    << "  for (int g = threadIdx.x; g < groups; g += OF_THREADS) {\n"
+    << "    double steps_unused;\n"
+    << (ustates ? "    double ustate_unused[OF_USTATES];  // the commit is the last block's, after every block read the old values\n" : "")
+    << "    double* mine = of_uniform + (long long)g * OF_UNIFORM;\n"
+    << "    of_phase" << i << "_group(table, groups, g, sources, globals, mine, mine + OF_DERIVED, &steps_unused"
+    << (ustates ? ", ustate_unused" : "") << ");\n"
+    << "  }\n"
+    << "  __syncthreads();\n";
+  return s.str();
+}
 
 std::string generate_cuda_source(const Plan& plan) { return generate_cuda_source(plan, default_variants(plan)); }
 

@@ -19,6 +19,10 @@ std::vector<std::string> cuda_kernel_names(const Plan& plan);
 // Threads per block every generated kernel is written for (the deterministic reductions depend on
 // it): the executor launches exactly this many.
 int cuda_block_threads();
+// The start of every kernel of phase i (element passes, the Values step): the step's globals, then
+// every group's uniform values into the shared array of_uniform (the kernel declares of_uniform,
+// globals and the arguments table, groups, sources, grad_scale, found_inf).
+std::string cuda_uniform_prologue(const Plan& plan, size_t phase);
 // Dynamic shared memory every kernel needs for `groups` groups (their uniform values and skip flags).
 size_t cuda_uniform_shared_bytes(const Plan& plan, int groups);
 

@@ -29,15 +29,9 @@ ValueKind widest(ValueKind a, ValueKind b) {
   return static_cast<uint8_t>(a) > static_cast<uint8_t>(b) ? a : b;
 }
 
-const char* kind_phrase(ValueKind k) {
-  switch (k) {
-    case ValueKind::Uniform: return "uniform";
-    case ValueKind::Tensor: return "per-tensor";
-    case ValueKind::Row: return "per-row";
-    case ValueKind::Col: return "per-column";
-    case ValueKind::Element: return "per-element";
-  }
-  return "?";
+// "uniform", "per-tensor", "per-row"...: for messages.
+std::string kind_phrase(ValueKind k) {
+  return k == ValueKind::Uniform ? "uniform" : std::string("per-") + value_kind_name(k);
 }
 
 ValueKind state_kind(StateShape s) {

@@ -66,7 +66,7 @@ class Adafactor(FusedOptimizer):
 
     # torch's state keys and shapes: row_var (R, 1) and col_var (1, C) for a matrix; `variance` (the
     # parameter's shape) for a vector, whose col_var (one number) torch does not have.
-    def _state_key(self, p, name):
+    def _saved_key(self, p, name):
         if p.dim() > 1:
             return name
         return {"row_var": "variance", "col_var": None}.get(name, name)

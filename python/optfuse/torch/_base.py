@@ -657,7 +657,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             return streams[id(p)]
         return (w + 1, 0)
 
-    def _state_key(self, p, name):
+    def _saved_key(self, p, name):
         """Where the engine's state `name` of parameter p is kept: its key in self.state[p] (torch's
         name for it), or None for a state torch's format has no key for (kept in
         self._private_states, never saved)."""
@@ -673,7 +673,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         out = []
         for name, init, (from_param, fixed) in zip(engine.state_names, engine.state_inits, engine.state_storage):
             dtype = fixed or _state_dtype(prec, p, name)
-            key, shape = self._state_key(p, name), self._state_shape(p, name)
+            key, shape = self._saved_key(p, name), self._state_shape(p, name)
             home = st if key is not None else self._private_states.setdefault(p, {})
             key = name if key is None else key
 
