@@ -408,8 +408,10 @@ def test_clip_grad_norm_is_folded_into_the_step(world, tmp_path):
             assert v["clipped"], (stage, "the clip never acted: the comparison would be vacuous")
             # stage 2: this reference averages the local gradients in another buffer layout than ZeRO's
             # reduce-scatter, and at 3 gloo ranks some sums round differently in the last bit
-            # (test_zero2 uses ZeRO's layout to be bitwise); 10 Adam steps carry that to ~2e-6
-            bound = 1e-6 if stage == "stage1" else 1e-5
+            # (test_zero2 uses ZeRO's layout to be bitwise); 10 Adam steps carry that to ~2e-6 on one
+            # machine and 1.4e-5 on another (2-core CI-like VM, 2026-12-02: Adam's normalisation of
+            # near-zero gradient entries amplifies a last-bit difference), so the bound has room
+            bound = 1e-6 if stage == "stage1" else 5e-5
             assert v["norm"] <= 1e-6 and v["param"] <= bound, (world, r, stage, v)
 
 
