@@ -38,6 +38,7 @@
 //   Sum: sum of x over its scope (float64, fixed order). Input element, or a row or column value
 //        (summed over the tensor's rows or columns).
 //   AnyNonFinite: 1 if any element of x in its scope is inf or NaN, else 0. Input element.
+//   MaxAbs: the largest |x| over its scope (0 over none); NaN if any x is NaN (torch.max's rule).
 // A reduction's `index` is its Scope: Global (every element of every tensor in the step; the result
 // is uniform, one value per step), Tensor (the elements of one tensor; the result is one value per
 // tensor, a *tensor* value), Row or Col (the elements of one row or one column of the tensor's
@@ -60,7 +61,7 @@ enum class Op : uint8_t {
   Add, Sub, Mul, Div, Pow, Min, Max, Lt, Le, Gt, Ge, Eq, Ne, And, Or,
   Select, Lerp, Fma,
   MasterFromRemainder, RemainderOfMaster, ParamOfMaster,
-  SumSquares, AnyNonFinite, Sum,
+  SumSquares, AnyNonFinite, Sum, MaxAbs,
 };
 
 const char* op_name(Op op);
@@ -174,6 +175,9 @@ Expr any_nonfinite(Expr x);
 Expr tensor_sum_of_squares(Expr x);
 Expr tensor_any_nonfinite(Expr x);
 Expr tensor_sum(Expr x);
+// The largest |x| over every element of the step / of one tensor (a global / per-tensor value).
+Expr global_max_abs(Expr x);
+Expr tensor_max_abs(Expr x);
 // Per row and per column of the tensor's matrix view (Adafactor's factored second moments).
 Expr row_sum_of_squares(Expr x);
 Expr col_sum_of_squares(Expr x);

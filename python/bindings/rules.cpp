@@ -278,6 +278,10 @@ void bind_rules(nb::module_& m) {
         "x"_a, "Sum of x*x over each tensor's own elements (one value per tensor; LAMB's norms).");
   m.def("any_nonfinite", unary("any_nonfinite", [](Expr x) { return any_nonfinite(x); }), "x"_a,
         "1 if any element of x over all tensors is inf or NaN, else 0: a global reduction.");
+  m.def("global_max_abs", unary("global_max_abs", [](Expr x) { return global_max_abs(x); }), "x"_a,
+        "The largest |x| over every element of every tensor (NaN if any is NaN): a global reduction.");
+  m.def("tensor_max_abs", unary("tensor_max_abs", [](Expr x) { return tensor_max_abs(x); }), "x"_a,
+        "The largest |x| over each tensor's own elements (one value per tensor; NaN if any is NaN).");
   m.def("pow", binary("pow", [](Expr x, Expr y) { return pow(x, y); }), "x"_a, "y"_a);
   m.def("min", binary("min", [](Expr x, Expr y) { return min(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.minimum).");
   m.def("max", binary("max", [](Expr x, Expr y) { return max(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.maximum).");

@@ -245,6 +245,7 @@ std::string CPrinter::element_function(size_t phase) const {
     std::string x = value_name(r.in[0]);
     if (r.op == Op::SumSquares) s << "  acc[" << k << "] += (double)" << x << " * (double)" << x << ";\n";
     else if (r.op == Op::Sum) s << "  acc[" << k << "] += (double)" << x << ";\n";
+    else if (r.op == Op::MaxAbs) s << "  acc[" << k << "] = of_max(acc[" << k << "], fabs((double)" << x << "));\n";
     else {
       char buf[128];
       std::snprintf(buf, sizeof buf, d_.is_finite, x.c_str());
@@ -287,6 +288,7 @@ std::string CPrinter::scalar_function(size_t phase) const {
       case Op::UniformState: rhs = "ustate[" + std::to_string(n.index) + "]"; break;
       case Op::SumSquares:
       case Op::Sum:
+      case Op::MaxAbs:
       case Op::AnyNonFinite: {
         rhs = "reductions[" + std::to_string(plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))]) + "]";
         break;
@@ -407,6 +409,7 @@ std::string CPrinter::line_function(size_t phase, bool cols) const {
     const int slot = plan_.reduction_area_slot[plan_.reduction_index(r)];
     if (n.op == Op::SumSquares) s << "  sums[" << slot << "] += " << x << " * " << x << ";\n";
     else if (n.op == Op::Sum) s << "  sums[" << slot << "] += " << x << ";\n";
+    else if (n.op == Op::MaxAbs) s << "  sums[" << slot << "] = of_max(sums[" << slot << "], fabs(" << x << "));\n";
     else {
       char buf[128];
       std::snprintf(buf, sizeof buf, d_.is_finite, value_name(n.in[0]).c_str());

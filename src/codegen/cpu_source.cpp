@@ -173,10 +173,12 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
     for (size_t q = 0; q < nred; ++q) s << "    lane[" << q << "][j] = a[" << q << "];\n";
     s << "  }\n";
     for (size_t q = 0; q < nred; ++q) {
-      bool any = plan.program.graph.node(ph.reductions[q]).op == Op::AnyNonFinite;
+      const Op op = plan.program.graph.node(ph.reductions[q]).op;
+      const std::string lane = "lane[" + std::to_string(q) + "][j]";
       s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
-        << (any ? "if (lane[" + std::to_string(q) + "][j] != 0.0) total = 1.0;\n"
-                : "total += lane[" + std::to_string(q) + "][j];\n")
+        << (op == Op::AnyNonFinite ? "if (" + lane + " != 0.0) total = 1.0;\n"
+            : op == Op::MaxAbs     ? "total = of_max(total, " + lane + ");\n"
+                                   : "total += " + lane + ";\n")
         << "    acc[" << q << "] = total;\n  }\n";
     }
     s << "}\n";

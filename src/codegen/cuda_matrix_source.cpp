@@ -34,13 +34,14 @@ struct PhaseReduction {
   Scope scope;
   int slot;       // in the global area, the tensor table, the row or the column table
   bool any;       // AnyNonFinite: a sum of 0/1 flags, turned into 0/1
+  bool max;       // MaxAbs: folded by of_max (only global and per-tensor scopes on CUDA: abi.cpp)
 };
 std::vector<PhaseReduction> phase_reductions(const Plan& plan, const ElementPhase& ph) {
   std::vector<PhaseReduction> out;
   for (size_t k = 0; k < ph.reductions.size(); ++k) {
     const size_t r = plan.reduction_index(ph.reductions[k]);
-    out.push_back({k, plan.scope_of(r), plan.reduction_area_slot[r],
-                   plan.program.graph.node(ph.reductions[k]).op == Op::AnyNonFinite});
+    const Op op = plan.program.graph.node(ph.reductions[k]).op;
+    out.push_back({k, plan.scope_of(r), plan.reduction_area_slot[r], op == Op::AnyNonFinite, op == Op::MaxAbs});
   }
   return out;
 }
@@ -204,7 +205,10 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
   auto others = [&](const std::string& ind) {
     std::ostringstream o;
     for (const PhaseReduction& r : reds)
-      if (r.scope == Scope::Global || r.scope == Scope::Tensor) o << ind << "acc[" << r.k << "] += a[" << r.k << "];\n";
+      if (r.scope == Scope::Global || r.scope == Scope::Tensor)
+        o << ind << "acc[" << r.k << "] = " << (r.max ? "of_max(acc[" + std::to_string(r.k) + "], a[" + std::to_string(r.k) + "])"
+                                                        : "acc[" + std::to_string(r.k) + "] + a[" + std::to_string(r.k) + "]")
+          << ";\n";
     return o.str();
   };
   // A one-column view (a vector): a thread per row; a row's sum is its element's; the column's

@@ -172,14 +172,37 @@ __device__ __forceinline__ double of_block_sum(double x, double* scratch) {
   return x;
 }
 
+// The largest value over the block with the same fixed tree (NaN-propagating: of_max); valid in thread 0.
+__device__ __forceinline__ double of_block_max(double x, double* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = of_max(x, __shfl_down_sync(0xffffffffu, x, o));
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    x = lane < OF_THREADS / 32 ? scratch[lane] : 0.0;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = of_max(x, __shfl_down_sync(0xffffffffu, x, o));
+  }
+  __syncthreads();
+  return x;
+}
+
+// How partials fold: OF_SUM, OF_ANY (the OR of AnyNonFinite: partials are 0 or 1, summed then
+// tested) or OF_MAX (MaxAbs: partials are >= 0 or NaN; 0 is the identity).
+#define OF_SUM 0
+#define OF_ANY 1
+#define OF_MAX 2
+__device__ __forceinline__ double of_fold(int kind, double acc, double v) { return kind == OF_MAX ? of_max(acc, v) : acc + v; }
+
 // Combines one reduction's per-chunk partials in a fixed order: thread t takes chunks t, t + T,
-// t + 2T, ... in order, then the block tree. `any` is the OR of AnyNonFinite (partials are 0 or 1).
-__device__ __forceinline__ double of_combine(const double* partials, long long num_chunks, bool any, double* scratch) {
+// t + 2T, ... in order, then the block tree.
+__device__ __forceinline__ double of_combine(const double* partials, long long num_chunks, int kind, double* scratch) {
   double s = 0.0;
   #pragma unroll 4
-  for (long long c = threadIdx.x; c < num_chunks; c += OF_THREADS) s += partials[c];
-  s = of_block_sum(s, scratch);
-  return any ? (s != 0.0 ? 1.0 : 0.0) : s;
+  for (long long c = threadIdx.x; c < num_chunks; c += OF_THREADS) s = of_fold(kind, s, partials[c]);
+  s = kind == OF_MAX ? of_block_max(s, scratch) : of_block_sum(s, scratch);
+  return kind == OF_ANY ? (s != 0.0 ? 1.0 : 0.0) : s;
 }
 
 // Where each tensor's chunks are among the partials' columns: the tensor table's own ranges, or,
@@ -199,15 +222,15 @@ struct OfGlobalSpans {
 // tensor, lane l takes its chunks l, l + 32, ... in order, then a fixed shuffle tree. Deterministic.
 template <class Spans>
 __device__ __forceinline__ void of_combine_per_tensor(const double* partials, Spans spans, int num_tensors,
-                                                      bool any, double* out, int stride) {
+                                                      int kind, double* out, int stride) {
   const int lane = threadIdx.x & 31;
   for (int t = threadIdx.x >> 5; t < num_tensors; t += OF_THREADS / 32) {
     const int first = spans.first(t), count = spans.count(t);
     double s = 0.0;
-    for (int c = lane; c < count; c += 32) s += partials[first + c];
+    for (int c = lane; c < count; c += 32) s = of_fold(kind, s, partials[first + c]);
     #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
-    if (lane == 0) out[(long long)t * stride] = any ? (s != 0.0 ? 1.0 : 0.0) : s;
+    for (int o = 16; o > 0; o >>= 1) s = of_fold(kind, s, __shfl_down_sync(0xffffffffu, s, o));
+    if (lane == 0) out[(long long)t * stride] = kind == OF_ANY ? (s != 0.0 ? 1.0 : 0.0) : s;
   }
 }
 )";
@@ -346,6 +369,9 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   return s.str();
 }
 
+// OF_SUM, OF_ANY or OF_MAX: how a reduction's partials fold (the driver prelude).
+const char* fold_kind(Op op) { return op == Op::AnyNonFinite ? "OF_ANY" : op == Op::MaxAbs ? "OF_MAX" : "OF_SUM"; }
+
 // The Combine step of reduce phase i, for one block: each reduction's partials (rows of `cols`
 // columns) in a fixed order into the table (global scope) or tensor_reductions (per tensor; where
 // each tensor's chunks are: `spans`).
@@ -355,16 +381,16 @@ std::string combine_code(const Plan& plan, size_t i, const std::string& cols, co
   std::ostringstream s;
   for (NodeId node : ph.reductions) {
     size_t r = plan.reduction_index(node);
-    bool any = g.node(node).op == Op::AnyNonFinite;
+    const char* kind = fold_kind(g.node(node).op);
     int slot = plan.reduction_area_slot[r];
     if (plan.scope_of(r) == Scope::Row || plan.scope_of(r) == Scope::Col) continue;  // matrix tables (the Values step)
     if (plan.scope_of(r) == Scope::Global)
       s << "  {\n    const double total = of_combine(partials + " << r << "LL * " << cols << ", " << cols << ", "
-        << (any ? "true" : "false") << ", scratch);\n"
+        << kind << ", scratch);\n"
         << "    if (threadIdx.x == 0) table[" << plan.layout.reductions_offset() + slot << "] = total;\n  }\n";
     else
       s << "  of_combine_per_tensor(partials + " << r << "LL * " << cols << ", " << spans << ", num_tensors, "
-        << (any ? "true" : "false") << ", tensor_reductions + " << slot << ", OF_TENSOR_REDUCTIONS);\n";
+        << kind << ", tensor_reductions + " << slot << ", OF_TENSOR_REDUCTIONS);\n";
   }
   return s.str();
 }
@@ -431,10 +457,12 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
       s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) {
-    bool any = g.node(ph.reductions[k]).op == Op::AnyNonFinite;
+    const Op op = g.node(ph.reductions[k]).op;
+    const bool any = op == Op::AnyNonFinite;
     const Scope scope = reduction_scope(g.node(ph.reductions[k]));
     if (scope == Scope::Row || scope == Scope::Col) continue;  // written by the matrix chunk loop itself
-    s << "    {\n      const double total = of_block_sum(acc[" << k << "], scratch);\n"
+    s << "    {\n      const double total = " << (op == Op::MaxAbs ? "of_block_max" : "of_block_sum") << "(acc[" << k
+      << "], scratch);\n"
       << "      if (threadIdx.x == 0) partials[" << plan.reduction_index(ph.reductions[k]) << "LL * num_chunks + c] = "
       << (any ? "total != 0.0 ? 1.0 : 0.0" : "total") << ";\n    }\n";
   }

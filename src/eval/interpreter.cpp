@@ -13,12 +13,19 @@ void set_globals(double* table, const StepInputs& in) {
 }
 
 namespace {
-double reduce_add(Op op, double acc, double v) { return op == Op::AnyNonFinite ? (acc != 0 || v != 0 ? 1.0 : 0.0) : acc + v; }
+// How a reduction folds one more contribution in: OR for AnyNonFinite, a NaN-propagating max for
+// MaxAbs, else a sum.
+double reduce_add(Op op, double acc, double v) {
+  if (op == Op::AnyNonFinite) return acc != 0 || v != 0 ? 1.0 : 0.0;
+  if (op == Op::MaxAbs) return apply_op<double>(Op::Max, acc, v, 0.0);
+  return acc + v;
+}
 // One element's (or one row or column value's) contribution to a reduction.
 double contribution(Op op, double x) {
   switch (op) {
     case Op::SumSquares: return x * x;
     case Op::Sum: return x;
+    case Op::MaxAbs: return std::fabs(x);
     default: return std::isfinite(x) ? 0.0 : 1.0;  // AnyNonFinite
   }
 }
@@ -89,6 +96,7 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
           break;
         case Op::SumSquares:
         case Op::Sum:
+        case Op::MaxAbs:
         case Op::AnyNonFinite: {
           val[i] = table[L.reductions_offset() + plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
           break;

@@ -23,16 +23,18 @@ constexpr OpInfo kOps[] = {
     {"lt", 2},        {"le", 2},        {"gt", 2},          {"ge", 2},        {"eq", 2},
     {"ne", 2},        {"and", 2},       {"or", 2},          {"select", 3},    {"lerp", 3},
     {"fma", 3},       {"master_from_remainder", 2}, {"remainder_of_master", 1},
-    {"param_of_master", 1},             {"sum_squares", 1}, {"any_nonfinite", 1}, {"sum", 1},
+    {"param_of_master", 1},             {"sum_squares", 1}, {"any_nonfinite", 1}, {"sum", 1}, {"max_abs", 1},
 };
-static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(Op::Sum) + 1,
+static_assert(sizeof(kOps) / sizeof(kOps[0]) == static_cast<size_t>(Op::MaxAbs) + 1,
               "kOps must list every Op");
 }  // namespace
 
 const char* op_name(Op op) { return kOps[static_cast<int>(op)].name; }
 int op_arity(Op op) { return kOps[static_cast<int>(op)].arity; }
 bool op_is_leaf(Op op) { return op_arity(op) == 0; }
-bool op_is_reduction(Op op) { return op == Op::SumSquares || op == Op::AnyNonFinite || op == Op::Sum; }
+bool op_is_reduction(Op op) {
+  return op == Op::SumSquares || op == Op::AnyNonFinite || op == Op::Sum || op == Op::MaxAbs;
+}
 bool op_is_commutative(Op op) {
   switch (op) {
     case Op::Add: case Op::Mul: case Op::Min: case Op::Max: case Op::Eq: case Op::Ne:
@@ -178,6 +180,8 @@ Expr any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Global); 
 Expr tensor_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Tensor); }
 Expr tensor_any_nonfinite(Expr x) { return reduce(Op::AnyNonFinite, x, Scope::Tensor); }
 Expr tensor_sum(Expr x) { return reduce(Op::Sum, x, Scope::Tensor); }
+Expr global_max_abs(Expr x) { return reduce(Op::MaxAbs, x, Scope::Global); }
+Expr tensor_max_abs(Expr x) { return reduce(Op::MaxAbs, x, Scope::Tensor); }
 Expr row_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Row); }
 Expr col_sum_of_squares(Expr x) { return reduce(Op::SumSquares, x, Scope::Col); }
 Expr tensor_shape(Graph& g, ShapeItem item) {

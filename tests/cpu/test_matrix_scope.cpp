@@ -206,6 +206,30 @@ TEST(MatrixScope, PlanningErrors) {
   EXPECT_THROW(make_plan(Chain{t}), Error);
 }
 
+TEST_P(MatrixScope, MaxOfAbsPerRowAndColumn) {
+  // rows <- max |g| of each row, cols <- of each column, on a 3 x 4 matrix.
+  Rule r("row_and_column_max");
+  r.row_state("rows").col_state("cols").update([](RuleBuilder& b) {
+    b.set_state("rows", reduce(Op::MaxAbs, b.update(), Scope::Row));
+    b.set_state("cols", reduce(Op::MaxAbs, b.update(), Scope::Col));
+    return b.update() * 0.0;
+  });
+  Matrix m(3, 4);
+  Optimizer opt(Chain{r}, GetParam());
+  opt.set_tensors({m.ref()});
+  opt.step();
+  for (int64_t i = 0; i < 3; ++i) {
+    double want = 0;
+    for (int64_t j = 0; j < 4; ++j) want = std::max(want, std::fabs(m.grad(i, j)));
+    EXPECT_EQ(m.row_state[static_cast<size_t>(i)], static_cast<float>(want)) << i;
+  }
+  for (int64_t j = 0; j < 4; ++j) {
+    double want = 0;
+    for (int64_t i = 0; i < 3; ++i) want = std::max(want, std::fabs(m.grad(i, j)));
+    EXPECT_EQ(m.col_state[static_cast<size_t>(j)], static_cast<float>(want)) << j;
+  }
+}
+
 TEST(MatrixScope, CudaRefusesPerTensorSumsOfColumnValues) {
   // Its Values step cuts a tensor's columns across blocks: a sum over them is not built there yet.
   Rule r("sum_of_columns");
@@ -221,6 +245,12 @@ TEST(MatrixScope, CudaRefusesPerTensorSumsOfColumnValues) {
     EXPECT_NE(std::string(e.what()).find("per-tensor sums of column values"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(Optimizer(Chain{r}, Backend::reference));
+  Rule mx("row_max");  // a max of abs over rows: not in the CUDA matrix loop yet
+  mx.row_state("rows").update([](RuleBuilder& b) {
+    b.set_state("rows", reduce(Op::MaxAbs, b.update(), Scope::Row));
+    return b.update();
+  });
+  EXPECT_THROW(Optimizer(Chain{mx}, Backend::cuda), Error);
 }
 
 }  // namespace

@@ -89,6 +89,39 @@ TEST_P(TensorScope, LambTrustRatioIsPerTensor) {
   EXPECT_NEAR(ts.p[2][0], 4, 1e-5);
 }
 
+// update = -lr * g * (1 + max|g|_tensor) / max|g|_global: a max of abs per tensor and over all.
+Chain scaled_by_max_abs() {
+  Rule r("scale_by_max_abs");
+  r.hyper("lr", 0.5);
+  r.update([](RuleBuilder& b) {
+    Expr g = b.update();
+    return g * ((tensor_max_abs(g) + 1.0) / global_max_abs(g)) * -b.hyper("lr");
+  });
+  return {r};
+}
+
+TEST_P(TensorScope, MaxOfAbsPerTensorAndOverAll) {
+  // Tensor 0: (1, -3) -> 3; tensor 1: (2) -> 2; tensor 2: 40000 x 0.01 with -0.5 at 33333 (a later
+  // chunk) -> 0.5; empty tensor 3. Over all: 3.
+  Tensors ts;
+  ts.p = {{1, 1}, {1}, std::vector<float>(40000, 1.0f), {}};
+  ts.g = {{1, -3}, {2}, std::vector<float>(40000, 0.01f), {}};
+  ts.g[2][33333] = -0.5f;
+  Optimizer opt(scaled_by_max_abs(), GetParam());
+  opt.set_tensors(ts.refs());
+  opt.step();
+  auto want = [](double g, double tmax) { return 1.0 - 0.5 * g * (tmax + 1.0) / 3.0; };
+  EXPECT_NEAR(ts.p[0][1], want(-3, 3), 1e-6);
+  EXPECT_NEAR(ts.p[1][0], want(2, 2), 1e-6);
+  EXPECT_NEAR(ts.p[2][0], want(0.01f, 0.5), 1e-6);
+  EXPECT_NEAR(ts.p[2][33333], want(-0.5f, 0.5), 1e-6);
+  // A NaN anywhere makes the global max NaN (torch.max's rule): every parameter becomes NaN.
+  ts.g[1][0] = NAN;
+  opt.step();
+  EXPECT_TRUE(std::isnan(ts.p[0][0]));
+  EXPECT_TRUE(std::isnan(ts.p[2][5]));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TensorScope, ::testing::Values(Backend::reference, Backend::cpu),
                          [](const auto& info) { return std::string(backend_name(info.param)); });
 

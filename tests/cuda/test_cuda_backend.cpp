@@ -65,6 +65,14 @@ std::vector<Case> all_cases() {
                              : make_builtin(n));
   add("adam(amsgrad, maximize, weight_decay)", adam({{"amsgrad", true}, {"maximize", true}, {"weight_decay", 0.1}}));
   add("adamw(amsgrad)", adamw({{"amsgrad", true}}));
+  {  // a max of abs per tensor and over all (the driver's of_block_max, OF_MAX combines)
+    Rule r("scale_by_max_abs");
+    r.update([](RuleBuilder& b) {
+      Expr g = b.update();
+      return g * ((tensor_max_abs(g) + 1.0) / global_max_abs(g));
+    });
+    add("scale_by_max_abs", Chain{r});
+  }
   add("sgd(momentum, nesterov, weight_decay, maximize)",
       sgd({{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}, {"maximize", true}}));
   add("sgd(momentum, dampening)", sgd({{"momentum", 0.9}, {"dampening", 0.1}}));

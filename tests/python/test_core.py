@@ -316,3 +316,20 @@ def test_cuda_backend_unavailable_is_reported():
         pytest.skip("a GPU is present: the CUDA backend is exercised by the torch tests instead")
     with pytest.raises(optfuse.BackendUnavailable):
         optfuse.Optimizer("adam()", "cuda")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_max_of_abs_reductions_in_a_python_rule(backend):
+    """update = -0.5 * g / max|g| of the tensor, then / max|g| over all tensors (both NaN-propagating)."""
+    r = optfuse.Rule("scale_by_max_abs").update(
+        lambda b: b.update() * (-0.5) / optfuse.tensor_max_abs(b.update()) / optfuse.global_max_abs(b.update()))
+    opt = optfuse.Optimizer(optfuse.chain(r), backend)
+    p0, p1 = np.ones(4, np.float32), np.ones(2, np.float32)
+    g0, g1 = np.array([1, -4, 2, 0.5], np.float32), np.array([-8, 3], np.float32)
+    opt.set_tensors([(p0, g0, [], 0), (p1, g1, [], 0)])
+    opt.step()
+    np.testing.assert_allclose(p0, 1 - 0.5 * g0 / 4 / 8, rtol=1e-6)
+    np.testing.assert_allclose(p1, 1 - 0.5 * g1 / 8 / 8, rtol=1e-6)
+    g1[0] = np.nan
+    opt.step()
+    assert np.isnan(p0).all()
