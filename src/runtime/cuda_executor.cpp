@@ -15,7 +15,6 @@
 // Uploads are queued on the stream of the last step (before the first step: the legacy default
 // stream); a step on another stream first waits, on the device, for the uploads queued so far.
 #include <algorithm>
-#include <iterator>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -405,7 +404,7 @@ class CudaExecutor : public Executor {
     auto bytes = [](int64_t entries, int per, size_t size) {
       return std::max<size_t>(1, static_cast<size_t>(entries) * static_cast<size_t>(per)) * size;
     };
-    const size_t sizes[] = {std::max<size_t>(1, matrices.size()) * sizeof(DeviceMatrix),
+    const size_t sizes[kNumMatrixBuffers] = {std::max<size_t>(1, matrices.size()) * sizeof(DeviceMatrix),
                             bytes(layout.rows, L.row_reductions, sizeof(double)),
                             bytes(layout.colparts, L.col_reductions, sizeof(double)),
                             bytes(layout.cols, L.col_reductions, sizeof(double)),
@@ -416,16 +415,18 @@ class CudaExecutor : public Executor {
                             std::max<size_t>(1, tensors.size()) * sizeof(unsigned)};
     for (cuda::DeviceBuffer& b : matrix_buffers_) retire(std::move(b));
     matrix_buffers_.clear();
-    for (size_t b = 0; b < std::size(sizes); ++b) {
+    for (size_t b = 0; b < kNumMatrixBuffers; ++b) {
       matrix_buffers_.push_back(cuda::DeviceBuffer::ordered(sizes[b], stream_));
       cuda::memset_zero(matrix_buffers_.back().ptr(), sizes[b], stream_);
     }
     if (!matrices.empty())
-      uploads_.upload(matrix_buffers_[0].ptr(), matrices.data(), matrices.size() * sizeof(DeviceMatrix), stream_);
-    if (!items.empty()) uploads_.upload(matrix_buffers_[6].ptr(), items.data(), items.size() * sizeof(ValueItem), stream_);
+      uploads_.upload(matrix_buffers_[kMatrices].ptr(), matrices.data(), matrices.size() * sizeof(DeviceMatrix), stream_);
+    if (!items.empty())
+      uploads_.upload(matrix_buffers_[kItems].ptr(), items.data(), items.size() * sizeof(ValueItem), stream_);
     num_items_ = static_cast<int>(items.size());
-    matrix_tables_ = {matrix_buffers_[0].ptr(), matrix_buffers_[1].ptr(), matrix_buffers_[2].ptr(), matrix_buffers_[3].ptr(),
-                      matrix_buffers_[4].ptr(), matrix_buffers_[5].ptr(), matrix_buffers_[7].ptr(), matrix_buffers_[8].ptr()};
+    auto at = [&](MatrixBuffer b) { return static_cast<uint64_t>(matrix_buffers_[b].ptr()); };
+    matrix_tables_ = {at(kMatrices),  at(kRowReductions), at(kColPartials), at(kColReductions),
+                      at(kRowValues), at(kColValues),     at(kItemSums),    at(kFinished)};
   }
 
   // A sharded step: a device buffer for every rank's partials and the tensors' global spans.
@@ -526,7 +527,7 @@ class CudaExecutor : public Executor {
                         &sources, &grad_scale, &found_inf, &counter, &combine_here, &matrix_tables_};  // (the last: matrix plans)
         cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
       } else if (st.kind == ScheduleStep::Kind::Values) {  // a block per item (matrix_tables.h, ValueItem)
-        CUdeviceptr items = matrix_buffers_[6].ptr();
+        CUdeviceptr items = matrix_buffers_[kItems].ptr();
         int num_items = num_items_;
         void* args[] = {&tensors, &items, &num_items, &table, &groups, &tensor_reductions, &sources, &grad_scale,
                         &found_inf, &matrix_tables_};
@@ -617,7 +618,9 @@ class CudaExecutor : public Executor {
   std::vector<CUfunction> value_fns_;      // matrix plans, per phase: of_values<i> (the Values step)
   // Matrix plans: per tensor set, the tables (DeviceMatrix rows, row reductions, column partials,
   // column reductions, row values, column values), the Values step's items, their sums of row
-  // values and the per-tensor counters of finished row items, in that order.
+  // values and the per-tensor counters of finished row items.
+  enum MatrixBuffer { kMatrices, kRowReductions, kColPartials, kColReductions, kRowValues, kColValues, kItems,
+                      kItemSums, kFinished, kNumMatrixBuffers };
   std::vector<cuda::DeviceBuffer> matrix_buffers_;
   DeviceMatrixTables matrix_tables_;
   int num_items_ = 0;
