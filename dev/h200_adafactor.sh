@@ -10,17 +10,11 @@ mkdir -p "$out"
 export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
 parts=${*:-build cxx python bench profile}
 has() { [[ " $parts " == *" $1 "* ]]; }
-if has build; then
-  echo "== build ($(date +%T))"
-  dev/device_build.sh >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
-  python3 -m pip install -q --no-build-isolation --no-deps . >"$out/pip.log" 2>&1 || tail -30 "$out/pip.log"
-  ls .devdeps/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index .devdeps/*.whl >>"$out/pip.log" 2>&1
-fi
-if has cxx; then
-  echo "== test_cuda ($(date +%T))"
-  timeout 300 ./build-device/test_cuda >"$out/test_cuda.log" 2>&1
-  grep -E "^\[  (PASSED|FAILED) |^\[==========\]|Failure|exception|worst" "$out/test_cuda.log" | tail -25
-fi
+# build and test_cuda: the training-loop script's parts of those names (the same logs in $OUT)
+build_cxx=""
+has build && build_cxx="build"
+has cxx && build_cxx="$build_cxx cxx"
+[ -n "$build_cxx" ] && { OUT="$out" dev/h200_training_loop.sh $build_cxx || exit 1; }
 if has python; then
   echo "== pytest ($(date +%T))"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests/python/test_adafactor.py \

@@ -99,12 +99,14 @@ struct Plan {
   int num_states() const { return static_cast<int>(program.states.size()); }
   bool reads_shape = false;             // some value reads the tensor's shape (Op::Shape)
   // Whether the plan has row or column values or reads shapes (its chunks then hold whole rows; the
-  // CUDA backend and the CPU compiler do not run such plans yet).
+  // CPU backend interprets such plans, having no generated loop for them yet).
   bool matrix() const {
     return reads_shape || layout.row_reductions + layout.col_reductions + layout.row_values + layout.col_values > 0;
   }
   // A reduction of row or column values (a Sum over the tensor, taken by the Values step, no pass).
   bool is_value_reduction(NodeId reduction) const;
+  // Where a row or column value (row_derived / col_derived) sits in its value table's entry.
+  size_t line_value_index(NodeId node) const;
   Scope scope_of(size_t reduction) const { return reduction_scope(program.graph.node(reductions[reduction])); }
   // The index in `reductions` (and in the partials) of a reduction node.
   size_t reduction_index(NodeId node) const;

@@ -174,9 +174,7 @@ class PyOptimizer {
         int code = dtypes[i * roles + role];
         if (code < 0 || code >= kNumDTypes) throw Error("_set_tensors_raw: bad dtype code " + std::to_string(code));
         // A Rows / Cols state holds one value per row / column of the matrix view (set_tensors checks it)
-        const int64_t numel = role < 2 ? numels[i]
-                                       : state_numel(TensorRef{Buffer{nullptr, numels[i]}, {}, {}, 0, 0, 0, refs[i].cols},
-                                                     specs[role - 2].shape);
+        const int64_t numel = role < 2 ? numels[i] : state_numel(refs[i], specs[role - 2].shape);  // (param set first)
         return Buffer{reinterpret_cast<void*>(ptr), numel, static_cast<DType>(code),
                       !stochastic.empty() && stochastic[i * roles + role]};
       };

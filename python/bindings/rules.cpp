@@ -387,7 +387,7 @@ void bind_rules(nb::module_& m) {
       .def_prop_ro("num_phases", [](const Plan& p) { return p.phases.size(); })
       .def_prop_ro("matrix", &Plan::matrix,
                    "Whether the plan has row or column values (or reads tensor shapes): it then needs each "
-                   "parameter's matrix view (TensorRef.cols) and runs on the reference and CPU backends only.")
+                   "parameter's matrix view (TensorRef.cols); the CPU backend interprets it.")
       .def_prop_ro("reduction_scopes", [](const Plan& p) {
         std::vector<std::string> out;
         for (size_t r = 0; r < p.reductions.size(); ++r) out.push_back(scope_name(p.scope_of(r)));

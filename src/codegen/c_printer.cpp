@@ -100,6 +100,8 @@ std::string chain_structure(const std::string& text) {
 
 }  // namespace
 
+std::string c_literal(double v, bool element) { return literal(v, element); }
+
 std::vector<std::string> role_names(const Plan& plan) {
   std::vector<std::string> r{"param", "grad"};
   std::set<std::string> short_names;

@@ -67,6 +67,9 @@ class CPrinter {
   std::vector<std::string> names_;  // unique C identifier per node
 };
 
+// A number as a C literal: float (element math) or double, inf and NaN by the prelude's macros.
+std::string c_literal(double v, bool element);
+
 // Role names for comments and for drivers: "param", "grad", then state names.
 std::vector<std::string> role_names(const Plan& plan);
 

@@ -21,13 +21,6 @@ constexpr int32_t kMatrixChunkElements = 65536;
 constexpr int32_t kValueItemCols = 32;
 constexpr int32_t kValueItemRows = 2048;
 
-std::string literal_float(double v) {
-  std::ostringstream s;
-  s.precision(9);
-  s << "(float)" << v;
-  return s.str();
-}
-
 // The reductions of a phase in its acc[] order, with the scope and the slot in their table.
 struct PhaseReduction {
   size_t k;       // index in the phase's acc[]
@@ -80,14 +73,6 @@ CudaPhaseRoles cuda_phase_roles(const ElementPhase& ph) {
     if (std::find(pr.used.begin(), pr.used.end(), r) == pr.used.end()) pr.used.push_back(r);
   std::sort(pr.used.begin(), pr.used.end());
   return pr;
-}
-
-bool cuda_phase_has_line_reductions(const Plan& plan, size_t phase) {
-  for (NodeId r : plan.phases.at(phase).reductions) {
-    const Scope scope = reduction_scope(plan.program.graph.node(r));
-    if (scope == Scope::Row || scope == Scope::Col) return true;
-  }
-  return false;
 }
 
 int32_t cuda_matrix_chunk_rows() { return kMatrixChunkRows; }
@@ -343,7 +328,6 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
        "const OfMatrixTables& mt) {\n"
     << "  const long long C = m.cols, r0 = begin / C;\n  const int rows = (int)(len / C);\n"
     << "  (void)t; (void)rows; (void)r0; (void)chunk_in_tensor; (void)mt;\n";
-  const size_t D = plan.derived.size() + plan.tensor_derived.size();
   for (size_t st = 0; st < p.states.size(); ++st) {
     const StateShape shape = p.states[st].shape;
     if (shape == StateShape::Full) continue;
@@ -352,9 +336,9 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
     const int sdt = static_cast<int>(var[2 + st].dtype);
     std::string value;
     if (p.graph.node(out).op == Op::Const) {
-      value = literal_float(p.graph.node(out).value);
+      value = c_literal(p.graph.node(out).value, true);
     } else {
-      const size_t q = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(plan.layout.row_values) : 0);
+      const size_t q = plan.line_value_index(out);
       value = cols ? "mt.col_val[(m.col_offset + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
                    : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
     }

@@ -42,9 +42,6 @@ int32_t cuda_value_item_rows();
 
 // Structs and constants (after the ABI and the driver prelude).
 std::string cuda_matrix_prelude(const Plan& plan);
-// Whether phase i has row or column reductions (it then runs the matrix chunk loop; else the
-// vector loop, which reads row and column values per element).
-bool cuda_phase_has_line_reductions(const Plan& plan, size_t phase);
 std::string cuda_matrix_chunk_function(const Plan& plan, size_t phase, size_t variant, const StorageVariant& var);
 std::string cuda_matrix_commit_function(const Plan& plan, size_t phase, size_t variant, const StorageVariant& var);
 std::string cuda_values_kernel(const Plan& plan, size_t phase, const std::vector<StorageVariant>& variants);

@@ -364,10 +364,11 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   // Fixed-order merge of the unrolled slots' accumulators.
   if (ph.kind == ElementPhase::Kind::Reduce) {
     s << "  #pragma unroll\n  for (int k = 0; k < kUnroll; ++k) {\n";
-    for (size_t r = 0; r < ph.reductions.size(); ++r)  // (a max of abs folds by of_max: its slots hold maxima)
-      s << "    acc[" << r << "] = " << (plan.program.graph.node(ph.reductions[r]).op == Op::MaxAbs ? "of_max(" : "(")
-        << "acc[" << r << "]" << (plan.program.graph.node(ph.reductions[r]).op == Op::MaxAbs ? ", " : " + ") << "acc_u[k][" << r
+    for (size_t r = 0; r < ph.reductions.size(); ++r) {  // (a max of abs folds by of_max: its slots hold maxima)
+      const bool max = plan.program.graph.node(ph.reductions[r]).op == Op::MaxAbs;
+      s << "    acc[" << r << "] = " << (max ? "of_max(" : "(") << "acc[" << r << "]" << (max ? ", " : " + ") << "acc_u[k][" << r
         << "]);\n";
+    }
     s << "  }\n";
   }
   s << "  (void)acc_u; (void)acc;\n}\n";

@@ -48,7 +48,7 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
       const MatrixLayout& ml = m->layout;
       const size_t cr = static_cast<size_t>(L.col_reductions);
       for (size_t t = 0; t < spans.size(); ++t) {
-        const int64_t cols = ml.col_offset.size() > t + 1 ? ml.col_offset[t + 1] - ml.col_offset[t] : ml.cols - ml.col_offset[t];
+        const int64_t cols = ml.cols_of(t);
         for (int64_t c = 0; c < cols; ++c) {
           double acc = 0;
           for (uint32_t j = 0; j < spans[t].count; ++j)
@@ -128,7 +128,7 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
 
 std::array<double, 4> shape_values(const TensorRef& t) {
   const MatrixView v = matrix_view(t);
-  return {static_cast<double>(t.param.numel), static_cast<double>(v.rows), static_cast<double>(v.cols), t.cols > 0 ? 1.0 : 0.0};
+  return {static_cast<double>(t.param.numel), static_cast<double>(v.rows), static_cast<double>(v.cols), v.is_matrix ? 1.0 : 0.0};
 }
 
 void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
@@ -356,7 +356,6 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
                           const MatrixTables& m) {
   const Program& p = plan.program;
   const ScalarLayout& L = plan.layout;
-  const size_t D = plan.derived.size() + plan.tensor_derived.size();
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& ref = tensors[t];
     if (table[L.skip_offset(groups) + ref.group] != 0.0 || ref.param.numel == 0) continue;
@@ -373,7 +372,7 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
         continue;
       }
       const size_t per = static_cast<size_t>(cols ? L.col_values : L.row_values);
-      const size_t k = static_cast<size_t>(plan.derived_slot.at(out)) - D - (cols ? static_cast<size_t>(L.row_values) : 0);
+      const size_t k = plan.line_value_index(out);
       const std::vector<double>& values = cols ? m.col_values : m.row_values;
       for (int64_t x = 0; x < count; ++x) store_element(b.data, b.dtype, x, values[static_cast<size_t>(first + x) * per + k]);
     }

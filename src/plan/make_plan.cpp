@@ -51,8 +51,7 @@ ValueKind reduction_kind(const Node& n, ValueKind in) {
   }
   if ((in == ValueKind::Row || in == ValueKind::Col) && scope == Scope::Tensor) return ValueKind::Tensor;
   if (in == ValueKind::Uniform || in == ValueKind::Tensor)
-    throw Error(std::string("IR: ") + op_name(n.op) + " of a " + (in == ValueKind::Tensor ? "per-tensor" : "uniform") +
-                " value (it must reduce element values)");
+    throw Error(std::string("IR: ") + op_name(n.op) + " of a " + kind_phrase(in) + " value (it must reduce element values)");
   throw Error(std::string("IR: ") + op_name(n.op) + " over a " + scope_name(scope) + " of a " + kind_phrase(in) +
               " value (reductions take element values, or row or column values summed over their tensor)");
 }
@@ -376,6 +375,14 @@ const char* value_kind_name(ValueKind k) {
 bool Plan::is_value_reduction(NodeId reduction) const {
   const ValueKind in = kind.at(static_cast<size_t>(program.graph.node(reduction).in[0]));
   return in == ValueKind::Row || in == ValueKind::Col;
+}
+
+size_t Plan::line_value_index(NodeId node) const {
+  // u = [derived | tensor | row | column]: a row value's slot less the first row slot, a column's
+  // less the first column slot.
+  const size_t rows_first = derived.size() + tensor_derived.size(), cols_first = rows_first + row_derived.size();
+  const size_t slot = static_cast<size_t>(derived_slot.at(node));
+  return slot - (kind.at(static_cast<size_t>(node)) == ValueKind::Col ? cols_first : rows_first);
 }
 
 size_t Plan::reduction_index(NodeId node) const {

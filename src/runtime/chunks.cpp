@@ -5,6 +5,7 @@
 #include <string>
 
 #include "optfuse/error.h"
+#include "runtime/matrix_tables.h"
 
 namespace optfuse {
 
@@ -16,7 +17,7 @@ std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t c
     int64_t n = tensors[t].param.numel;
     int64_t size = chunk_elems;
     if (whole_rows) {
-      const int64_t cols = tensors[t].cols > 0 ? tensors[t].cols : 1;
+      const int64_t cols = matrix_view(tensors[t]).cols;
       int64_t rows = std::max<int64_t>(1, chunk_elems / cols);
       if (max_rows > 0 && cols > 1) rows = std::min<int64_t>(rows, max_rows);
       size = cols * rows;

@@ -8,7 +8,8 @@ namespace optfuse {
 
 MatrixView matrix_view(const TensorRef& t) {
   MatrixView v;
-  v.cols = t.cols > 0 ? t.cols : 1;
+  v.is_matrix = t.cols > 0;
+  v.cols = v.is_matrix ? t.cols : 1;
   v.rows = t.param.numel / v.cols;
   return v;
 }
@@ -40,8 +41,9 @@ MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vec
 std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors, const MatrixLayout& layout) {
   std::vector<DeviceMatrix> out(tensors.size());
   for (size_t t = 0; t < tensors.size(); ++t) {
-    out[t].cols = matrix_view(tensors[t]).cols;
-    out[t].is_matrix = tensors[t].cols > 0 ? 1 : 0;
+    const MatrixView v = matrix_view(tensors[t]);
+    out[t].cols = v.cols;
+    out[t].is_matrix = v.is_matrix ? 1 : 0;
     out[t].row_offset = layout.row_offset[t];
     out[t].col_offset = layout.col_offset[t];
     out[t].colpart_offset = layout.colpart_offset[t];

@@ -13,9 +13,11 @@
 
 namespace optfuse {
 
-// A tensor's matrix view (TensorRef::cols): rows x cols == numel.
+// A tensor's matrix view (TensorRef::cols): rows x cols == numel; without one (is_matrix false) a
+// column of numel rows.
 struct MatrixView {
   int64_t rows = 0, cols = 1;
+  bool is_matrix = false;
 };
 MatrixView matrix_view(const TensorRef& t);
 // Elements a StateShape slot of this tensor holds.
@@ -24,6 +26,7 @@ int64_t state_numel(const TensorRef& t, StateShape shape);
 struct MatrixLayout {
   std::vector<int64_t> row_offset, col_offset, colpart_offset, first_chunk;  // per tensor
   int64_t rows = 0, cols = 0, colparts = 0;                     // totals
+  int64_t cols_of(size_t t) const { return (t + 1 < col_offset.size() ? col_offset[t + 1] : cols) - col_offset[t]; }
 };
 MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vector<ChunkRange>& spans);
 

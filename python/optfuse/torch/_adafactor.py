@@ -8,8 +8,8 @@ column scopes do not do yet."""
 import torch
 
 from .. import _core
-from ._base import DeviceValue, FusedOptimizer, OptfuseError
-from ._optimizers import _torch_defaults, _wd_arg
+from ._base import OptfuseError
+from ._optimizers import _OptionalWeightDecay, _torch_defaults, _wd_arg
 
 
 def _eps1(g):
@@ -22,7 +22,7 @@ def _eps1(g):
     return torch.finfo(params[0].dtype).eps if params else torch.finfo(torch.float32).eps
 
 
-class Adafactor(FusedOptimizer):
+class Adafactor(_OptionalWeightDecay):
     __doc__ = ("Fused drop-in for torch.optim.Adafactor (same arguments, defaults and state dict); parameters of "
                "at most 2 dimensions. Three passes over memory on CUDA; the CPU backend interprets it in float32.")
     _sig_keys = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
@@ -48,10 +48,6 @@ class Adafactor(FusedOptimizer):
 
     def _structure(self, g):
         return (bool(g["maximize"]),)
-
-    def _features(self, g):
-        wd = g["weight_decay"]
-        return frozenset({"weight_decay"}) if isinstance(wd, DeviceValue) or float(wd) != 0 else frozenset()
 
     def _make_chain(self, key, features, groups):
         (maximize,) = key
