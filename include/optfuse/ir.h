@@ -17,7 +17,8 @@
 //   UniformState  uniform state slot i of the element's parameter group before this step: one float64
 //              per group kept across steps (NAdam's mu_product); its new value is a uniform output
 //              of the program, committed where the step is not skipped (as the step count)
-//   Neg -x   Abs |x|   Sign: -1, 0 or 1 (NaN stays NaN)   Sqrt   Rsqrt 1/sqrt(x)   Exp   Log (natural)
+//   Neg -x   Abs |x|   Sign: -1, 0 or 1 (NaN stays NaN)   Sqrt   Exp   Log (natural)
+//   Rsqrt 1/sqrt(x); CUDA's float element math uses rsqrtf (within 2 ulp, as torch's CUDA rsqrt)
 //   Not: 1 if x == 0 else 0        IsFinite: 1 if x is neither inf nor NaN else 0
 //   Add Sub Mul Div: IEEE arithmetic in the node's precision (no contraction into fma)
 //   Pow x^y (std::pow)   Min Max: NaN if either input is NaN (torch.minimum/maximum)

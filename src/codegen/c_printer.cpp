@@ -18,6 +18,12 @@ std::string sanitize(const std::string& s) {
   return out;
 }
 
+// A dialect's expression template ("isfinite(%s)") with its one "%s" replaced by `x`.
+std::string fill(const char* tmpl, const std::string& x) {
+  std::string s = tmpl;
+  return s.replace(s.find("%s"), 2, x);
+}
+
 std::string literal(double v, bool element) {
   if (std::isnan(v)) return element ? "OF_NANF" : "OF_NAN";
   if (std::isinf(v)) return std::string(v < 0 ? "-" : "") + (element ? "OF_INFF" : "OF_INF");
@@ -155,15 +161,14 @@ std::string CPrinter::expr(NodeId id, bool element) const {
     case Op::Abs: return std::string("fabs") + f + "(" + in(0) + ")";
     case Op::Sign: return "of_sign(" + in(0) + ")";
     case Op::Sqrt: return std::string("sqrt") + f + "(" + in(0) + ")";
-    case Op::Rsqrt: return one + " / sqrt" + f + "(" + in(0) + ")";
+    case Op::Rsqrt: {
+      if (!element) return "1.0 / sqrt(" + in(0) + ")";
+      return fill(d_.rsqrt_float, in(0));
+    }
     case Op::Exp: return std::string("exp") + f + "(" + in(0) + ")";
     case Op::Log: return std::string("log") + f + "(" + in(0) + ")";
     case Op::Not: return "(" + in(0) + " == " + zero + " ? " + one + " : " + zero + ")";
-    case Op::IsFinite: {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, d_.is_finite, in(0).c_str());
-      return "(" + std::string(buf) + " ? " + one + " : " + zero + ")";
-    }
+    case Op::IsFinite: return "(" + fill(d_.is_finite, in(0)) + " ? " + one + " : " + zero + ")";
     case Op::RoundBF16: return "of_round_bf16(" + in(0) + ")";
     case Op::RoundF16: return "of_round_f16(" + in(0) + ")";
     case Op::Add: return in(0) + " + " + in(1);
@@ -248,11 +253,7 @@ std::string CPrinter::element_function(size_t phase) const {
     if (r.op == Op::SumSquares) s << "  acc[" << k << "] += (double)" << x << " * (double)" << x << ";\n";
     else if (r.op == Op::Sum) s << "  acc[" << k << "] += (double)" << x << ";\n";
     else if (r.op == Op::MaxAbs) s << "  acc[" << k << "] = of_max(acc[" << k << "], fabs((double)" << x << "));\n";
-    else {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, d_.is_finite, x.c_str());
-      s << "  if (!" << buf << ") acc[" << k << "] = 1.0;\n";
-    }
+    else s << "  if (!" << fill(d_.is_finite, x) << ") acc[" << k << "] = 1.0;\n";
   }
   if (ph.kind == ElementPhase::Kind::Update) {
     for (int st : ph.writes_states) s << "  v[" << 2 + st << "] = " << out(p.state_out[static_cast<size_t>(st)]) << ";\n";
@@ -412,11 +413,7 @@ std::string CPrinter::line_function(size_t phase, bool cols) const {
     if (n.op == Op::SumSquares) s << "  sums[" << slot << "] += " << x << " * " << x << ";\n";
     else if (n.op == Op::Sum) s << "  sums[" << slot << "] += " << x << ";\n";
     else if (n.op == Op::MaxAbs) s << "  sums[" << slot << "] = of_max(sums[" << slot << "], fabs(" << x << "));\n";
-    else {
-      char buf[128];
-      std::snprintf(buf, sizeof buf, d_.is_finite, value_name(n.in[0]).c_str());
-      s << "  if (!" << buf << ") sums[" << slot << "] = 1.0;\n";
-    }
+    else s << "  if (!" << fill(d_.is_finite, value_name(n.in[0])) << ") sums[" << slot << "] = 1.0;\n";
   }
   s << "  (void)u; (void)st; (void)red; (void)out; (void)sums;\n}\n";
   return s.str();
@@ -434,14 +431,14 @@ std::string CPrinter::common_source() const {
 }
 
 const Dialect& cpu_dialect() {
-  static const Dialect d{"cpu", "static inline", "std::isfinite(%s)",
+  static const Dialect d{"cpu", "static inline", "std::isfinite(%s)", "1.0f / sqrtf(%s)",
                          "#include <cmath>\n#include <cstring>\n#include <cstdint>\nusing std::memcpy;\n"};
   return d;
 }
 
 const Dialect& cuda_dialect() {
   // NVRTC provides memcpy as a device builtin: the CUDA dialect needs no includes.
-  static const Dialect d{"cuda", "__device__ __forceinline__", "isfinite(%s)", ""};
+  static const Dialect d{"cuda", "__device__ __forceinline__", "isfinite(%s)", "rsqrtf(%s)", ""};
   return d;
 }
 

@@ -36,6 +36,10 @@ struct Dialect {
   const char* name;          // "cpu" | "cuda"
   const char* fn_qualifier;  // qualifier of helper and element functions
   const char* is_finite;     // expression template for a float finiteness test: "%s"
+  // Expression template for float (element) 1/sqrt(x). CUDA's rsqrtf is one special-function
+  // instruction (at most 2 ulp, what torch's CUDA rsqrt computes); the correctly rounded
+  // 1.0f / sqrtf(x) costs two IEEE sequences, which made Adafactor's element passes arithmetic-bound.
+  const char* rsqrt_float;
   const char* extra_prelude; // dialect-only helpers (e.g. bf16 conversions through intrinsics)
 };
 
