@@ -133,7 +133,6 @@ __device__ __forceinline__ void of_shape(const OfTensor& t, const OfMatrix& m, d
 
 std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
   const ElementPhase& ph = plan.phases[i];
-  const Program& p = plan.program;
   const CudaPhaseRoles pr = cuda_phase_roles(ph);
   const std::vector<std::string> roles = role_names(plan);
   const std::vector<PhaseReduction> reds = phase_reductions(plan, ph);
@@ -257,8 +256,17 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     if (row_reds) o << ind << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
     for (int r : pr.writes) o << ind << "      float out" << r << "[" << W << "];\n";
     o << ind << "      #pragma unroll\n" << ind << "      for (int w = 0; w < " << W << "; ++w) {\n"
-      << ind << "        double a[" << nred << "] = {0.0};\n"
-      << ind << "        if (active) {\n";
+      << ind << "        double a[" << nred << "];\n";
+    // Each reduction's running accumulator goes into the element function, which adds to it
+    // directly: one fused multiply-add per sum of squares (the product of two floats is exact in
+    // double, so this equals adding the element's square to the accumulator: bitwise as before).
+    auto running = [&](const PhaseReduction& r) {
+      const std::string slot = std::to_string(r.slot);
+      return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "cacc[w][" + slot + "]" : "acc[" + std::to_string(r.k) + "]";
+    };
+    for (const PhaseReduction& r : reds) o << ind << "        a[" << r.k << "] = " << running(r) << ";\n";
+    if (reds.empty()) o << ind << "        a[0] = 0.0;\n";
+    o << ind << "        if (active) {\n";
     if (plan.layout.col_values > 0)
       o << ind << "          for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = colv[w][q];\n";
     o << ind << "          float v[OF_ROLES];\n";
@@ -266,11 +274,8 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     o << ind << "          of_phase" << i << "_element(v, u, a);\n";
     for (int r : pr.writes) o << ind << "          out" << r << "[w] = v[" << r << "];\n";
     o << ind << "        }\n";
-    for (const PhaseReduction& r : reds) {
-      if (r.scope == Scope::Row) o << ind << "        rowpart[" << r.slot << "] += a[" << r.k << "];\n";
-      if (r.scope == Scope::Col) o << ind << "        cacc[w][" << r.slot << "] += a[" << r.k << "];\n";
-    }
-    o << others(ind + "        ") << ind << "      }\n";
+    for (const PhaseReduction& r : reds) o << ind << "        " << running(r) << " = a[" << r.k << "];\n";
+    o << ind << "      }\n";
     if (!pr.writes.empty()) {
       o << ind << "      if (active) {\n";
       for (int r : pr.writes) {
