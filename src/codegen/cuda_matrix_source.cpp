@@ -238,6 +238,9 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
     o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
     for (int r : pr.reads) o << ind << "    float in" << r << "[" + U + "][" << W << "];\n";
+    // The rows' values are loaded with the rows' elements, not before each row's math (a load
+    // latency per row made the 4-byte reduce pass of Adafactor latency-bound).
+    if (plan.layout.row_values > 0) o << ind << "    float rowv[" + U + "][OF_ROW_VALUES_ARRAY];\n";
     o << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k)\n"
       << ind << "      if (active && rg + k < rows) {\n"
       << ind << "        const long long e = (long long)(rg + k) * C + c0;\n";
@@ -248,15 +251,19 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         o << ind << "        in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
           << "_p + e);\n";
     }
+    if (plan.layout.row_values > 0)
+      o << ind << "        for (int q = 0; q < OF_ROW_VALUES; ++q) rowv[k][q] = mt.row_val[(m.row_offset + r0 + rg + k) * OF_ROW_VALUES + q];\n";
     o << ind << "      }\n"
       << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k) {\n"
       << ind << "      const int r = rg + k;\n" << ind << "      if (r >= rows) break;  // (uniform over the block)\n"
       << ind << "      const long long e = (long long)r * C + c0;\n" << ind << "      (void)e;\n";
-    if (plan.layout.row_values > 0) o << ind << "      if (active) {\n" << row_values("r0 + r", ind + "        ") << ind << "      }\n";
     if (row_reds) o << ind << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
-    for (int r : pr.writes) o << ind << "      float out" << r << "[" << W << "];\n";
-    o << ind << "      #pragma unroll\n" << ind << "      for (int w = 0; w < " << W << "; ++w) {\n"
-      << ind << "        double a[" << nred << "];\n";
+    // Threads past the view's last column do nothing but take part in the row sums' shuffles.
+    o << ind << "      if (active) {\n";
+    if (plan.layout.row_values > 0) o << ind << "        for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = rowv[k][q];\n";
+    for (int r : pr.writes) o << ind << "        float out" << r << "[" << W << "];\n";
+    o << ind << "        #pragma unroll\n" << ind << "        for (int w = 0; w < " << W << "; ++w) {\n"
+      << ind << "          double a[" << nred << "];\n";
     // Each reduction's running accumulator goes into the element function, which adds to it
     // directly: one fused multiply-add per sum of squares (the product of two floats is exact in
     // double, so this equals adding the element's square to the accumulator: bitwise as before).
@@ -264,31 +271,26 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       const std::string slot = std::to_string(r.slot);
       return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "cacc[w][" + slot + "]" : "acc[" + std::to_string(r.k) + "]";
     };
-    for (const PhaseReduction& r : reds) o << ind << "        a[" << r.k << "] = " << running(r) << ";\n";
-    if (reds.empty()) o << ind << "        a[0] = 0.0;\n";
-    o << ind << "        if (active) {\n";
+    for (const PhaseReduction& r : reds) o << ind << "          a[" << r.k << "] = " << running(r) << ";\n";
+    if (reds.empty()) o << ind << "          a[0] = 0.0;\n";
     if (plan.layout.col_values > 0)
       o << ind << "          for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = colv[w][q];\n";
     o << ind << "          float v[OF_ROLES];\n";
     for (int r : pr.reads) o << ind << "          v[" << r << "] = in" << r << "[k][w];\n";
     o << ind << "          of_phase" << i << "_element(v, u, a);\n";
     for (int r : pr.writes) o << ind << "          out" << r << "[w] = v[" << r << "];\n";
+    for (const PhaseReduction& r : reds) o << ind << "          " << running(r) << " = a[" << r.k << "];\n";
     o << ind << "        }\n";
-    for (const PhaseReduction& r : reds) o << ind << "        " << running(r) << " = a[" << r.k << "];\n";
-    o << ind << "      }\n";
-    if (!pr.writes.empty()) {
-      o << ind << "      if (active) {\n";
-      for (int r : pr.writes) {
-        if (var[static_cast<size_t>(r)].stochastic)
-          o << ind << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
-            << "[w], of_rng_bits(rng, rng_first + (unsigned long long)(e + w), " << r << "));\n";
-        else if (W == 4)
-          o << ind << "        of_store4<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << ");\n";
-        else
-          o << ind << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
-      }
-      o << ind << "      }\n";
+    for (int r : pr.writes) {
+      if (var[static_cast<size_t>(r)].stochastic)
+        o << ind << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
+          << "[w], of_rng_bits(rng, rng_first + (unsigned long long)(e + w), " << r << "));\n";
+      else if (W == 4)
+        o << ind << "        of_store4<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << ");\n";
+      else
+        o << ind << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
     }
+    o << ind << "      }\n";
     for (const PhaseReduction& r : reds)
       if (r.scope == Scope::Row)
         o << ind << "      {\n" << ind << "        double x = rowpart[" << r.slot << "];\n"
