@@ -28,19 +28,16 @@ std::string scalar_layout_source(const ScalarLayout& L) {
 void require_generated_loops(const Plan& plan, const char* backend) {
   if (!plan.matrix()) return;
   const bool cuda = std::string(backend) == "CUDA";
-  // The CUDA matrix loops sum: per-tensor sums of column values (the Values step cuts columns
-  // across blocks) and a max of abs over rows, columns or row values are not built there yet.
+  // Per-tensor reductions of column values are not built in the CUDA matrix loops (the Values step
+  // cuts a tensor's columns across blocks).
   bool unsupported = false;
   for (NodeId r : plan.reductions) {
     const Node& n = plan.program.graph.node(r);
-    const ValueKind in = plan.kind[static_cast<size_t>(n.in[0])];
-    const Scope scope = reduction_scope(n);
-    unsupported = unsupported || (plan.is_value_reduction(r) && in == ValueKind::Col) ||
-                  (n.op == Op::MaxAbs && (scope == Scope::Row || scope == Scope::Col || plan.is_value_reduction(r)));
+    unsupported = unsupported || (plan.is_value_reduction(r) && plan.kind[static_cast<size_t>(n.in[0])] == ValueKind::Col);
   }
   if (cuda && !unsupported) return;
   throw Error(std::string("the ") + backend + " backend has no generated loop yet for " +
-              (cuda ? "per-tensor sums of column values or a max of abs over rows or columns"
+              (cuda ? "per-tensor sums of column values"
                     : "plans with row or column values or tensor shapes") + " (" +
               plan.program.chain_text + "); the reference backend and the CPU backend (interpreted in float32) run them");
 }

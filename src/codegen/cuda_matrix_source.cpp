@@ -5,6 +5,7 @@
 
 #include "codegen/c_printer.h"
 #include "codegen/cuda_source.h"
+#include "optfuse/error.h"
 
 namespace optfuse {
 
@@ -27,7 +28,7 @@ struct PhaseReduction {
   Scope scope;
   int slot;       // in the global area, the tensor table, the row or the column table
   bool any;       // AnyNonFinite: a sum of 0/1 flags, turned into 0/1
-  bool max;       // MaxAbs: folded by of_max (only global and per-tensor scopes on CUDA: abi.cpp)
+  bool max;       // MaxAbs: folded by of_max
 };
 std::vector<PhaseReduction> phase_reductions(const Plan& plan, const ElementPhase& ph) {
   std::vector<PhaseReduction> out;
@@ -40,6 +41,24 @@ std::vector<PhaseReduction> phase_reductions(const Plan& plan, const ElementPhas
 }
 
 std::string flag(const std::string& x, bool any) { return any ? "(" + x + " != 0.0 ? 1.0 : 0.0)" : x; }
+
+// `acc` takes in `x`: a max of abs folds by of_max (NaN-propagating), every other kind adds (sums
+// of 0/1 flags for any-non-finite, turned into 0/1 by flag()). Every fold starts from 0.
+std::string fold(bool max, const std::string& acc, const std::string& x) {
+  return max ? acc + " = of_max(" + acc + ", " + x + ")" : acc + " += " + x;
+}
+std::string block_fold(bool max) { return max ? "of_block_max" : "of_block_sum"; }
+
+// A reduction combined by a Values kernel: its slot in the column table or the tensor table.
+struct LineFold {
+  int slot;
+  bool any, max;
+  bool operator==(const LineFold& o) const { return slot == o.slot && any == o.any && max == o.max; }
+};
+LineFold line_fold(const Plan& plan, size_t r) {
+  const Op op = plan.program.graph.node(plan.reductions[r]).op;
+  return {plan.reduction_area_slot[r], op == Op::AnyNonFinite, op == Op::MaxAbs};
+}
 
 // Loads of the Rows (cols false) or Cols states of element x of variant `var` into st[s].
 std::string line_state_loads(const Plan& plan, const StorageVariant& var, bool cols, const std::string& x,
@@ -85,8 +104,10 @@ std::string cuda_matrix_prelude(const Plan& plan) {
   std::ostringstream s;
   s << "\n// Matrix plans (codegen/cuda_matrix_source.h)\n"
     << "#define OF_MROWS " << kMatrixChunkRows << "\n"
-    << "// Rows whose loads a matrix chunk loop issues together, with 1 and 4 columns per thread\n"
+    << "// Rows whose loads a matrix chunk loop issues together, with 1 and 4 columns per thread (4W: a\n"
+    << "// pass that also stores, 4R1: a reduce pass reading one role; H200 choices: docs/performance.md)\n"
     << "#ifndef OF_MUNROLL1\n#define OF_MUNROLL1 8\n#endif\n#ifndef OF_MUNROLL4\n#define OF_MUNROLL4 4\n#endif\n#ifndef OF_MUNROLL4W\n#define OF_MUNROLL4W 2\n#endif\n"
+    << "#ifndef OF_MUNROLL4R1\n#define OF_MUNROLL4R1 8\n#endif\n"
     << "#define OF_ROW_REDS " << L.row_reductions << "\n#define OF_ROW_REDS_ARRAY " << std::max(L.row_reductions, 1) << "\n"
     << "#define OF_COL_REDS " << L.col_reductions << "\n#define OF_COL_REDS_ARRAY " << std::max(L.col_reductions, 1) << "\n"
     << "#define OF_ROW_VALUES " << L.row_values << "\n#define OF_ROW_VALUES_ARRAY " << std::max(L.row_values, 1) << "\n"
@@ -138,6 +159,12 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
   const std::vector<PhaseReduction> reds = phase_reductions(plan, ph);
   const size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   bool row_reds = false, col_reds = false;
+  unsigned row_max_mask = 0;  // bit slot: that row reduction is a max of abs
+  for (const PhaseReduction& r : reds)
+    if (r.scope == Scope::Row && r.max) {
+      if (r.slot >= 32) throw Error("a CUDA matrix loop folds at most 32 row reductions");
+      row_max_mask |= 1u << r.slot;
+    }
   for (const PhaseReduction& r : reds) {
     row_reds = row_reds || r.scope == Scope::Row;
     col_reds = col_reds || r.scope == Scope::Col;
@@ -205,12 +232,12 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     if (r.scope == Scope::Row)
       s << "      mt.row_red[(m.row_offset + r0 + j) * OF_ROW_REDS + " << r.slot << "] = " << flag("a[" + std::to_string(r.k) + "]", r.any)
         << ";\n";
-    if (r.scope == Scope::Col) s << "      cacc[" << r.slot << "] += a[" << r.k << "];\n";
+    if (r.scope == Scope::Col) s << "      " << fold(r.max, "cacc[" + std::to_string(r.slot) + "]", "a[" + std::to_string(r.k) + "]") << ";\n";
   }
   s << others("      ") << "    }\n";
   for (const PhaseReduction& r : reds)
     if (r.scope == Scope::Col)
-      s << "    {\n      const double total = of_block_sum(cacc[" << r.slot << "], scratch);\n"
+      s << "    {\n      const double total = " << block_fold(r.max) << "(cacc[" << r.slot << "], scratch);\n"
         << "      if (threadIdx.x == 0) mt.col_part[(m.colpart_offset + chunk_in_tensor) * OF_COL_REDS + " << r.slot
         << "] = " << flag("total", r.any) << ";\n    }\n";
   s << "  } else {\n";
@@ -226,8 +253,9 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     aligned += " && ((unsigned long long)" + nm(r) + "_p % " + std::to_string(4 * dtype_size(var[static_cast<size_t>(r)].dtype)) + "u) == 0";
   auto tile_loop = [&](int W, const std::string& ind) {
     std::ostringstream o;
-    // rows whose loads are issued together (fewer where the loop also stores: registers)
-    const std::string U = W == 1 ? "OF_MUNROLL1" : pr.writes.empty() ? "OF_MUNROLL4" : "OF_MUNROLL4W";
+    // rows whose loads are issued together (fewer where the loop also stores: registers; more where
+    // it reads one role only, for as many bytes in flight)
+    const std::string U = W == 1 ? "OF_MUNROLL1" : !pr.writes.empty() ? "OF_MUNROLL4W" : pr.reads.size() == 1 ? "OF_MUNROLL4R1" : "OF_MUNROLL4";
     o << ind << "for (long long tile = 0; tile < C; tile += " << W << "LL * OF_THREADS) {\n"
       << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n"
       << ind << "  const bool active = c0 < C;\n";
@@ -265,8 +293,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     o << ind << "        #pragma unroll\n" << ind << "        for (int w = 0; w < " << W << "; ++w) {\n"
       << ind << "          double a[" << nred << "];\n";
     // Each reduction's running accumulator goes into the element function, which adds to it
-    // directly: one fused multiply-add per sum of squares (the product of two floats is exact in
-    // double, so this equals adding the element's square to the accumulator: bitwise as before).
+    // directly (no zeroed partial per element and a second add: the same sums, one add fewer).
     auto running = [&](const PhaseReduction& r) {
       const std::string slot = std::to_string(r.slot);
       return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "cacc[w][" + slot + "]" : "acc[" + std::to_string(r.k) + "]";
@@ -294,7 +321,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     for (const PhaseReduction& r : reds)
       if (r.scope == Scope::Row)
         o << ind << "      {\n" << ind << "        double x = rowpart[" << r.slot << "];\n"
-          << ind << "        for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);\n"
+          << ind << "        for (int o = 16; o > 0; o >>= 1) " << fold(r.max, "x", "__shfl_down_sync(0xffffffffu, x, o)") << ";\n"
           << ind << "        if ((threadIdx.x & 31) == 0) srow[(" << r.slot
           << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n" << ind << "      }\n";
     o << ind << "    }\n" << ind << "  }\n";
@@ -307,9 +334,13 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       o << ind << "  __syncthreads();\n"
         << ind << "  for (int x = threadIdx.x; x < OF_ROW_REDS * rows; x += OF_THREADS) {\n"
         << ind << "    const int q = x / rows, r = x % rows;\n"
+        << ind << "    const bool mx = (" << row_max_mask << "u >> q) & 1u;  // row reduction q is a max of abs\n"
         << ind << "    double sum = 0.0;\n"
-        << ind << "    for (int w = 0; w < OF_THREADS / 32; ++w) sum += srow[(q * OF_MROWS + r) * (OF_THREADS / 32) + w];\n"
-        << ind << "    racc[q * OF_MROWS + r] += sum;\n" << ind << "  }\n"
+        << ind << "    for (int w = 0; w < OF_THREADS / 32; ++w) {\n"
+        << ind << "      const double y = srow[(q * OF_MROWS + r) * (OF_THREADS / 32) + w];\n"
+        << ind << "      sum = mx ? of_max(sum, y) : sum + y;\n" << ind << "    }\n"
+        << ind << "    racc[q * OF_MROWS + r] = mx ? of_max(racc[q * OF_MROWS + r], sum) : racc[q * OF_MROWS + r] + sum;\n"
+        << ind << "  }\n"
         << ind << "  __syncthreads();\n";
     o << ind << "}\n";
     return o.str();
@@ -380,12 +411,12 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     return o.str();
   };
   // The per-tensor sums of row values this step takes (levels <= limit).
-  std::vector<std::pair<int, bool>> row_sums;  // (tensor_reductions slot, AnyNonFinite)
+  std::vector<LineFold> row_sums;  // (tensor_reductions slot)
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     const NodeId node = plan.reductions[r];
     if (plan.is_value_reduction(node) && plan.kind[static_cast<size_t>(g.node(node).in[0])] == ValueKind::Row &&
         plan.level[static_cast<size_t>(node)] <= limit)
-      row_sums.push_back({plan.reduction_area_slot[r], g.node(node).op == Op::AnyNonFinite});
+      row_sums.push_back(line_fold(plan, r));
   }
   s << "\n// The Values step before pass " << i << ": row and column values (levels <= " << limit << ")\n"
     << "extern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_values" << i
@@ -413,29 +444,28 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "      // Columns: lane l takes column begin + l; warp w its chunk partials w, w + 8, ... (in order),\n"
     << "      // then warp 0 the warps' sums in order: a fixed order, whatever the grid.\n"
     << "      const long long c = item.begin + lane;\n      const bool on = lane < item.count;\n";
-  std::vector<std::pair<int, bool>> combined;  // column reductions produced by the pass just run
+  std::vector<LineFold> combined;  // column reductions produced by the pass just run
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
-    if (plan.level[static_cast<size_t>(plan.reductions[r])] == limit && i > 0)
-      combined.push_back({plan.reduction_area_slot[r], g.node(plan.reductions[r]).op == Op::AnyNonFinite});
+    if (plan.level[static_cast<size_t>(plan.reductions[r])] == limit && i > 0) combined.push_back(line_fold(plan, r));
   }
-  for (auto [slot, any] : combined)
+  for (const LineFold& f : combined)
     s << "      {\n        double sum = 0.0;\n"
       << "        if (on)\n          for (int q = warp; q < t.num_chunks; q += OF_THREADS / 32)\n"
-      << "            sum += mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + " << slot << "];\n"
-      << "        colsum[" << slot << "][warp][lane] = sum;\n      }\n";
+      << "            " << fold(f.max, "sum", "mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + " + std::to_string(f.slot) + "]")
+      << ";\n        colsum[" << f.slot << "][warp][lane] = sum;\n      }\n";
   if (!combined.empty()) s << "      __syncthreads();\n";
   s << "      if (warp == 0 && on) {\n        double red[OF_COL_REDS_ARRAY];\n";
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
-    const int slot = plan.reduction_area_slot[r];
+    const LineFold f = line_fold(plan, r);
+    const int slot = f.slot;
     const std::string at = "mt.col_red[(m.col_offset + c) * OF_COL_REDS + " + std::to_string(slot) + "]";
-    const bool fresh = std::find(combined.begin(), combined.end(),
-                                 std::make_pair(slot, g.node(plan.reductions[r]).op == Op::AnyNonFinite)) != combined.end();
+    const bool fresh = std::find(combined.begin(), combined.end(), f) != combined.end();
     if (fresh)
-      s << "        {\n          double sum = 0.0;\n          for (int w = 0; w < OF_THREADS / 32; ++w) sum += colsum[" << slot
-        << "][w][lane];\n          red[" << slot << "] = " << flag("sum", g.node(plan.reductions[r]).op == Op::AnyNonFinite)
-        << ";\n          " << at << " = red[" << slot << "];\n        }\n";
+      s << "        {\n          double sum = 0.0;\n          for (int w = 0; w < OF_THREADS / 32; ++w) "
+        << fold(f.max, "sum", "colsum[" + std::to_string(slot) + "][w][lane]") << ";\n          red[" << slot
+        << "] = " << flag("sum", f.any) << ";\n          " << at << " = red[" << slot << "];\n        }\n";
     else
       s << "        red[" << slot << "] = " << at << ";\n";
   }
@@ -456,18 +486,18 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   if (!row_sums.empty()) {
     // Each row item's sums (a fixed block tree), then the tensor's last row item to finish adds
     // them in item order: deterministic whichever block is last.
-    for (auto [slot, any] : row_sums)
-      s << "      {\n        const double total = of_block_sum(sums[" << slot << "], scratch);\n"
-        << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << slot << "] = total;\n      }\n";
+    for (const LineFold& f : row_sums)
+      s << "      {\n        const double total = " << block_fold(f.max) << "(sums[" << f.slot << "], scratch);\n"
+        << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = total;\n      }\n";
     s << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
       << "        last_item = atomicAdd(mt.finished + item.tensor, 1u) == (unsigned)item.items - 1u;\n      }\n"
       << "      __syncthreads();\n"
       << "      if (last_item && threadIdx.x == 0) {\n        __threadfence();\n";
-    for (auto [slot, any] : row_sums)
+    for (const LineFold& f : row_sums)
       s << "        {\n          double sum = 0.0;\n"
-        << "          for (int j = 0; j < item.items; ++j) sum += mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + "
-        << slot << "];\n"
-        << "          tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << slot << "] = " << flag("sum", any)
+        << "          for (int j = 0; j < item.items; ++j) "
+        << fold(f.max, "sum", "mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
+        << ";\n          tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << f.slot << "] = " << flag("sum", f.any)
         << ";\n        }\n";
     s << "        mt.finished[item.tensor] = 0u;  // ready for the next launch (or graph replay)\n      }\n";
   }
