@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Adafactor's row and column scopes on the H200 in one `run` call (carry .devdeps): build, the C++
 # CUDA tests, the Adafactor and optim_db pytest cases on CUDA, the training-loop never-wait checks,
-# then Adafactor against torch (bench/optimizers_vs_torch.py) and its kernels' times (torch profiler).
+# then Adafactor, AdamW and Lamb against torch (bench/optimizers_vs_torch.py; BENCH_OPTIMIZERS) and the
+# kernels' times of PROFILE_OPTIMIZERS (default Adafactor Lamb; dev/kernel_times.py, torch profiler).
 # Usage: dev/h200_adafactor.sh [part ...]   parts: build cxx python bench profile (default: all)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,15 +24,15 @@ if has python; then
   grep -E "^(FAILED|ERROR)|passed|failed|Error|assert" "$out/pytest.log" | tail -30
 fi
 if has bench; then
-  echo "== Adafactor vs torch ($(date +%T))"
-  timeout 300 python3 bench/optimizers_vs_torch.py --optimizers Adafactor,AdamW --workloads llama-1b,gpt2-small \
-    --json "$out/adafactor_vs_torch.json" 2>&1 | tail -20
+  echo "== ${BENCH_OPTIMIZERS:=Adafactor,AdamW,Lamb} vs torch ($(date +%T))"
+  timeout 300 python3 bench/optimizers_vs_torch.py --optimizers "$BENCH_OPTIMIZERS" --workloads llama-1b,gpt2-small \
+    --json "$out/adafactor_vs_torch.json" 2>&1 | tail -24
 fi
 if has profile; then
-  # the matrix chunk loop's unrolling (OPTFUSE_CUDA_DEFINES: -D options of the generated source)
-  for defs in "" "-DOF_MUNROLL4=8 -DOF_MUNROLL4W=4" "-DOF_MUNROLL4=2 -DOF_MUNROLL4W=1"; do
-    echo "== Adafactor kernels, llama-1b, defines '${defs}' ($(date +%T))"
-    OPTFUSE_CUDA_DEFINES="$defs" timeout 200 python3 dev/kernel_times.py --optimizer Adafactor --workload llama-1b 2>&1 | grep -v Warn | tail -9
+  # each pass's time against its own floor (OPTFUSE_CUDA_DEFINES may set the generated source's knobs)
+  for opt in ${PROFILE_OPTIMIZERS:-Adafactor Lamb}; do
+    echo "== $opt kernels, llama-1b, defines '${OPTFUSE_CUDA_DEFINES:-}' ($(date +%T))"
+    timeout 200 python3 dev/kernel_times.py --optimizer "$opt" --workload llama-1b 2>&1 | grep -v Warn | tail -9
   done
 fi
 echo "== done ($(date +%T))"
