@@ -1,5 +1,8 @@
 // The math of LAMB and LARS as timm.optim (1.0) writes them, operation by operation where float32
-// rounding depends on it. Norms are per-tensor reductions (float64, deterministic); the trust ratio
+// rounding depends on it, except that a division of every element by a uniform value (the clip
+// divisor, the bias corrections) is a multiplication by its reciprocal (float64, rounded once): within
+// an ulp of timm's and one instruction instead of an IEEE division sequence (those made LAMB's
+// read-only norm pass arithmetic-bound on the H200: docs/performance.md). Norms are per-tensor reductions (float64, deterministic); the trust ratio
 // is a per-tensor value computed in float64 and rounded to float32 where it meets the update, as
 // timm's 0-dim float32 tensors are (so results match timm to about one float32 rounding per step).
 #include "rules/layerwise_rules.h"
@@ -27,7 +30,7 @@ Rule clip_by_global_norm_ratio(double max_norm) {
     Expr u = b.update();
     Expr norm = b.name(sqrt(global_sum_of_squares(u)), "global_norm");
     Expr divisor = b.name(max(norm / b.hyper("max_norm"), 1.0), "clip_divisor");
-    return u / divisor;
+    return u * b.name(1.0 / divisor, "clip_scale");
   });
 }
 
@@ -50,7 +53,7 @@ Rule scale_by_lamb(const LambOptions& o) {
     b.set_state("exp_avg_sq", v);
     Expr bc1 = b.name(select(on(b, "bias_correction"), 1.0 - pow(b1, t), b.constant(1.0)), "bias_correction1");
     Expr bc2_sqrt = b.name(sqrt(select(on(b, "bias_correction"), 1.0 - pow(b2, t), b.constant(1.0))), "bias_correction2_sqrt");
-    Expr update = b.name((m / bc1) / (sqrt(v) / bc2_sqrt + b.hyper("eps")), "adam_update");
+    Expr update = b.name((m * (1.0 / bc1)) / (sqrt(v) * (1.0 / bc2_sqrt) + b.hyper("eps")), "adam_update");
     Expr decays = wd != 0.0, decoupled = b.name(decays && on(b, "decoupled_decay"), "decoupled");
     // decoupled: p.add_(p, alpha=-wd_scale * wd) before the norms; else update.add_(p, alpha=wd)
     Expr wd_scale = select(b.hyper("max_lr") > 0.0, lr * lr / b.hyper("max_lr"), lr);
