@@ -1,12 +1,13 @@
 """Step time of optfuse.torch optimizers against the best existing implementation of each, in the
-same run on one GPU, as a fraction of the memory-bandwidth floor.
+same run on one GPU (or, with --device cpu, on the CPU), as a fraction of the memory-bandwidth floor.
 
 Per optimizer and workload (bench/workload_shapes.py): float32 parameters, a new gradient tensor for
 every parameter every step (zero_grad(set_to_none=True) then fresh tensors, alternating between two
 preallocated sets: the loop users write), GPU time of opt.step() by CUDA events, median of --steps
 steps after --warmup. Floor = bytes per element of optfuse's plan (its `explain`: every pass over
 memory counted) x elements / copy bandwidth (torch's device-to-device copy over 2 x 14 bytes/element,
-bytes read + written per second, as bench/training_loop.py). The competitor's fraction uses the same
+bytes read + written per second, as bench/training_loop.py; on the CPU torch's copy of as many bytes,
+and step times by time.perf_counter). The competitor's fraction uses the same
 floor, so both columns compare against the least traffic optfuse found for the math.
 
 Competitors: torch.optim's own foreach and fused implementations where they exist; for Lamb,
@@ -15,14 +16,16 @@ LAMB written with torch._foreach ops: a global-norm pass, the Adam moments, per-
 update -- what timm's foreach path runs). Every section catches and reports its own exception.
 
   python3 bench/optimizers_vs_torch.py [--optimizers Lamb,Lars,Adam,...] [--workloads llama-1b]
-      [--scale 1] [--steps 20] [--warmup 5] [--json out.json]
+      [--scale 1] [--steps 20] [--warmup 5] [--device cuda|cpu] [--json out.json]
 """
 import argparse
 import json
 import os
 import re
+import platform
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -127,29 +130,51 @@ def plan_bytes(spec):
     return int(m.group(1))
 
 
-def time_steps(make, shapes, steps, warmup, dtype=torch.float32):
-    """Median GPU time of make(params).step() in the loop users write (parameters and gradients of
-    `dtype`); shared by bench/mixed_precision_vs_torch.py."""
+def time_steps(make, shapes, steps, warmup, dtype=torch.float32, device="cuda"):
+    """Median time (ms) of make(params).step() in the loop users write (parameters and gradients of
+    `dtype`): GPU time by CUDA events, or on the CPU wall time; shared by
+    bench/mixed_precision_vs_torch.py."""
     torch.manual_seed(0)
-    params = [torch.randn(s, device="cuda").to(dtype) for s in shapes]
-    pool = [[(torch.randn(s, device="cuda") * 1e-2).to(dtype) for s in shapes] for _ in range(2)]
+    params = [torch.randn(s, device=device).to(dtype) for s in shapes]
+    pool = [[(torch.randn(s, device=device) * 1e-2).to(dtype) for s in shapes] for _ in range(2)]
     opt = make(params)
     times = []
     for i in range(warmup + steps):
         opt.zero_grad(set_to_none=True)
         for p, g in zip(params, pool[i % 2]):
             p.grad = g.view_as(g)  # a new tensor object over the same memory
+        if device == "cpu":
+            t0 = time.perf_counter()
+            opt.step()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = events()
         a.record()
         opt.step()
         b.record()
         if i >= warmup:
             times.append((a, b))
+    if device == "cpu":
+        return statistics.median(times)
     torch.cuda.synchronize()
     out = statistics.median(x.elapsed_time(y) for x, y in times)
     del opt, params, pool
     torch.cuda.empty_cache()
     return out
+
+
+def cpu_copy_bandwidth(elements, runs=5):
+    """Bytes read + written per second by torch's CPU copy over the step's footprint (as copy_bandwidth)."""
+    src = torch.ones(14 * elements, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(runs + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if i >= 1:
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(times)
 
 
 def main():
@@ -159,14 +184,16 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--json")
     a = ap.parse_args()
     results = []
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    device_name = torch.cuda.get_device_name() if a.device == "cuda" else f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    print(f"device: {device_name}  torch {torch.__version__}")
     for wl in a.workloads.split(","):
         shapes = workload_shapes.shapes(wl, a.scale)
         n = sum(torch.Size(s).numel() for s in shapes)
-        bw = copy_bandwidth(n)
+        bw = copy_bandwidth(n) if a.device == "cuda" else cpu_copy_bandwidth(n)
         print(f"\n{wl}: {len(shapes)} tensors, {n / 1e6:.1f} M elements, copy bandwidth {bw / 1e9:.0f} GB/s")
         print(f"  {'optimizer':<10} {'B/elem':>6} {'floor ms':>8}  {'implementation':<28} {'ms/step':>8} {'% floor':>8}")
         for name in a.optimizers.split(","):
@@ -183,7 +210,7 @@ def main():
             rows = [("optfuse", lambda ps, kw, c=getattr(oft, name): c(ps, **kw))] + competitors(name)
             for label, factory in rows:
                 try:
-                    ms = time_steps(lambda ps: factory(ps, dict(kw)), shapes, a.steps, a.warmup)
+                    ms = time_steps(lambda ps: factory(ps, dict(kw)), shapes, a.steps, a.warmup, device=a.device)
                     pct = 100 * floor_ms / ms
                     print(f"  {name:<10} {bpe:>6} {floor_ms:>8.3f}  {label:<28} {ms:>8.3f} {pct:>7.1f}%")
                     results.append(dict(workload=wl, optimizer=name, implementation=label, bytes_per_element=bpe,
@@ -194,7 +221,7 @@ def main():
                     results.append(dict(workload=wl, optimizer=name, implementation=label, error=str(e)))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
+            json.dump(dict(device=device_name, torch=torch.__version__, results=results), f, indent=1)
 
 
 if __name__ == "__main__":

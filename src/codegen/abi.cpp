@@ -26,8 +26,8 @@ std::string scalar_layout_source(const ScalarLayout& L) {
 }
 
 void require_generated_loops(const Plan& plan, const char* backend) {
-  if (!plan.matrix()) return;
   const bool cuda = std::string(backend) == "CUDA";
+  if (!plan.matrix() || !cuda) return;  // the CPU driver runs every plan
   // Per-tensor reductions of column values are not built in the CUDA matrix loops (the Values step
   // cuts a tensor's columns across blocks).
   bool unsupported = false;
@@ -35,11 +35,9 @@ void require_generated_loops(const Plan& plan, const char* backend) {
     const Node& n = plan.program.graph.node(r);
     unsupported = unsupported || (plan.is_value_reduction(r) && plan.kind[static_cast<size_t>(n.in[0])] == ValueKind::Col);
   }
-  if (cuda && !unsupported) return;
-  throw Error(std::string("the ") + backend + " backend has no generated loop yet for " +
-              (cuda ? "per-tensor sums of column values"
-                    : "plans with row or column values or tensor shapes") + " (" +
-              plan.program.chain_text + "); the reference backend and the CPU backend (interpreted in float32) run them");
+  if (!unsupported) return;
+  throw Error(std::string("the ") + backend + " backend has no generated loop yet for per-tensor sums of column values (" +
+              plan.program.chain_text + "); the reference and CPU backends run them");
 }
 
 std::string abi_source() {
@@ -50,6 +48,9 @@ struct OfTensor {
   unsigned long long rng_key; long long rng_offset;
 };
 struct OfChunk { long long begin; int tensor; int length; };
+// A matrix plan's tensor: its matrix view and where its rows, columns and column partials are in
+// the row and column tables (DeviceMatrix in runtime/matrix_tables.h).
+struct OfMatrix { long long cols, is_matrix, row_offset, col_offset, colpart_offset; };
 // Where a group's hyperparameter is read from: ptr == 0: the table; else a float32 (type 0) or
 // float64 (type 1) scalar (HyperSource in runtime/executor.h).
 struct OfHyperSource { unsigned long long ptr; int type; int pad; };

@@ -37,8 +37,8 @@ bool assign_variants(const std::vector<TensorRef>& tensors, std::vector<StorageV
 // "param bfloat16, grad float32, exp_avg bfloat16 (stochastic)..." for comments and messages.
 std::string describe_variant(const StorageVariant& v, const std::vector<std::string>& role_names);
 
-// Throws optfuse::Error for plans the generated drivers do not run yet: those with row or column
-// values or shape reads (Plan::matrix; the reference and the CPU backend's interpreter run them).
+// Throws optfuse::Error for plans a generated driver does not run yet: on CUDA, matrix plans with a
+// per-tensor sum of column values (the reference and CPU backends run every plan).
 void require_generated_loops(const Plan& plan, const char* backend);
 
 // Needs OF_ROLES defined before it.

@@ -6,8 +6,64 @@
 #include "codegen/abi.h"
 #include "optfuse/error.h"
 #include "codegen/c_printer.h"
+#include "codegen/cpu_loop_parts.h"
+#include "codegen/cpu_matrix_source.h"
 
 namespace optfuse {
+
+namespace cpu_loops {
+
+const char* storage_type(DType d) {
+  switch (d) {
+    case DType::f32: return "float";
+    case DType::f16: return "of_half";
+    case DType::bf16: return "of_bfloat";
+    case DType::i16: return "of_i16";
+  }
+  return "?";
+}
+
+PhaseRoles phase_roles(const ElementPhase& ph) {
+  PhaseRoles r;
+  if (ph.reads_param) r.read.push_back(0);
+  if (ph.reads_grad) r.read.push_back(1);
+  for (int st : ph.reads_states) r.read.push_back(2 + st);
+  if (ph.writes_param) r.write.push_back(0);
+  for (int st : ph.writes_states) r.write.push_back(2 + st);
+  r.used = r.read;
+  for (int w : r.write)
+    if (std::find(r.used.begin(), r.used.end(), w) == r.used.end()) r.used.push_back(w);
+  return r;
+}
+
+bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
+  for (int r : pr.write)
+    if (v[static_cast<size_t>(r)].stochastic) return true;
+  return false;
+}
+
+std::string element_body(size_t phase, const PhaseRoles& pr, const StorageVariant& var,
+                         const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
+                         const std::string& indent) {
+  std::ostringstream s;
+  s << indent << "float v[OF_ROLES];\n";
+  for (int r : pr.read)
+    s << indent << "v[" << r << "] = of_ld(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ");\n";
+  s << indent << "of_phase" << phase << "_element(v, u, " << acc << ");\n";
+  for (int r : pr.write) {
+    const std::string& nm = roles[static_cast<size_t>(r)];
+    if (var[static_cast<size_t>(r)].stochastic)
+      s << indent << "of_st_sr(" << nm << "_p, " << idx << ", v[" << r << "], of_rng_bits(rng, (unsigned long long)(first_elem + "
+        << idx << "), " << r << "));\n";
+    else
+      s << indent << "of_st(" << nm << "_p, " << idx << ", v[" << r << "]);\n";
+  }
+  return s.str();
+}
+
+}  // namespace cpu_loops
+
+using namespace cpu_loops;
 
 namespace {
 
@@ -30,62 +86,6 @@ static inline void of_st(of_i16* p, long long i, float v) { p[i].bits = (short)(
 static inline void of_st_sr(of_half* p, long long i, float v, unsigned r) { p[i].bits = of_float_to_f16_sr(v, r); }
 static inline void of_st_sr(of_bfloat* p, long long i, float v, unsigned r) { p[i].bits = of_float_to_bf16_sr(v, r); }
 )";
-
-const char* storage_type(DType d) {
-  switch (d) {
-    case DType::f32: return "float";
-    case DType::f16: return "of_half";
-    case DType::bf16: return "of_bfloat";
-    case DType::i16: return "of_i16";
-  }
-  return "?";
-}
-
-struct PhaseRoles {
-  std::vector<int> read, write, used;  // role indices (0 param, 1 grad, 2+s state s)
-};
-
-PhaseRoles phase_roles(const ElementPhase& ph) {
-  PhaseRoles r;
-  if (ph.reads_param) r.read.push_back(0);
-  if (ph.reads_grad) r.read.push_back(1);
-  for (int st : ph.reads_states) r.read.push_back(2 + st);
-  if (ph.writes_param) r.write.push_back(0);
-  for (int st : ph.writes_states) r.write.push_back(2 + st);
-  r.used = r.read;
-  for (int w : r.write)
-    if (std::find(r.used.begin(), r.used.end(), w) == r.used.end()) r.used.push_back(w);
-  return r;
-}
-
-// Whether a phase stores some role of variant v stochastically (it then needs the random stream).
-bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v) {
-  for (int r : pr.write)
-    if (v[static_cast<size_t>(r)].stochastic) return true;
-  return false;
-}
-
-// One element at index `idx`: load the roles the phase reads, run the element function with
-// accumulators `acc`, store the roles it writes (stochastic stores draw bits for element
-// first_elem + idx of the tensor).
-std::string element_body(size_t phase, const PhaseRoles& pr, const StorageVariant& var,
-                         const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
-                         const std::string& indent) {
-  std::ostringstream s;
-  s << indent << "float v[OF_ROLES];\n";
-  for (int r : pr.read)
-    s << indent << "v[" << r << "] = of_ld(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ");\n";
-  s << indent << "of_phase" << phase << "_element(v, u, " << acc << ");\n";
-  for (int r : pr.write) {
-    const std::string& nm = roles[static_cast<size_t>(r)];
-    if (var[static_cast<size_t>(r)].stochastic)
-      s << indent << "of_st_sr(" << nm << "_p, " << idx << ", v[" << r << "], of_rng_bits(rng, (unsigned long long)(first_elem + "
-        << idx << "), " << r << "));\n";
-    else
-      s << indent << "of_st(" << nm << "_p, " << idx << ", v[" << r << "]);\n";
-  }
-  return s.str();
-}
 
 // Software prefetch. The hardware stream prefetchers stop at every 4 KiB page and must re-learn
 // each of a phase's streams there; with only a few cores each core's misses in flight, not DRAM,
@@ -206,13 +206,16 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
 std::string generate_cpu_source(const Plan& plan) { return generate_cpu_source(plan, default_variants(plan)); }
 
 std::string generate_cpu_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
-  require_generated_loops(plan, "CPU");
   CPrinter pr(plan, cpu_dialect());
   std::vector<std::string> roles = role_names(plan);
   std::ostringstream s;
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_LANES " << kCpuReduceLanes
     << "\n" << pr.common_source() << abi_source() << kCpuTables;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
+    if (plan.matrix()) {  // row by row over whole-row chunks (cpu_matrix_source.h)
+      s << cpu_matrix_phase_source(plan, i, variants);
+      continue;
+    }
     const ElementPhase& ph = plan.phases[i];
     const size_t nred = ph.reductions.size();
     s << "\n#undef OF_PREFETCH_DISTANCE\n#define OF_PREFETCH_DISTANCE " << prefetch_distance(phase_roles(ph).used.size()) << "\n";

@@ -7,6 +7,7 @@
 // which runs chunks [first, last); partials[k * num_chunks + chunk] gets the chunk's partial of
 // the phase's k-th reduction. Loops are plain and restrict-qualified so the compiler vectorises them;
 // there is one set per storage variant (codegen/abi.h), chosen per tensor by OfTensor::variant.
+// Matrix plans have their own loops and entry signature (codegen/cpu_matrix_source.h).
 //
 // A chunk's partial of a reduction is computed in kCpuReduceLanes independent double lanes:
 // element e of the chunk (0-based within the chunk) is accumulated into lane e % kCpuReduceLanes

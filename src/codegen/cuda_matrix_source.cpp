@@ -115,9 +115,7 @@ std::string cuda_matrix_prelude(const Plan& plan) {
     << "#define OF_TENSOR_REDUCTIONS_ARRAY " << std::max(L.tensor_reductions, 1) << "\n"
     << "#define OF_ROW_U (OF_DERIVED + " << L.tensor_values << ")  // u[OF_ROW_U + k]: row value k\n"
     << "#define OF_COL_U (OF_ROW_U + OF_ROW_VALUES)  // u[OF_COL_U + k]: column value k\n"
-    << R"(// Per tensor: its matrix view and where its rows, columns and column partials are (DeviceMatrix).
-struct OfMatrix { long long cols, is_matrix, row_offset, col_offset, colpart_offset; };
-// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
+    << R"(// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
 struct OfMatrixTables {
   const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
   double* item_sums;   // [item][OF_TENSOR_REDUCTIONS]: a row item's per-tensor sums of row values

@@ -22,15 +22,16 @@ using PhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long fir
                          const double* derived, const double* skip, const double* steps, int derived_per_group,
                          const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                          long long num_chunks);
-
+// A matrix plan's phases also take the matrix tables (codegen/cpu_matrix_source.h).
+using MatrixPhaseFn = void (*)(const void* tensors, const Chunk* chunks, long long first, long long last,
+                               const double* derived, const double* skip, const double* steps, int derived_per_group,
+                               const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
+                               long long num_chunks, const DeviceMatrix* mats, double* row_red, double* col_part,
+                               const double* row_val, const double* col_val);
 
 class CpuExecutor : public HostExecutor {
  public:
   explicit CpuExecutor(PlanPtr p) : HostExecutor(std::move(p), optfuse::chunk_elements(Backend::cpu)), variants_(default_variants(plan_)) {
-    if (plan_.matrix()) {  // no generated loop for row and column values yet: the float32 interpreter
-      status_ = "interpreted in float32 (plans with row or column values have no generated CPU loop yet)";
-      return;
-    }
     std::string why;
     if (!host::find_compiler(&why)) {
       static std::once_flag once;
@@ -62,6 +63,7 @@ class CpuExecutor : public HostExecutor {
     }
     variants_ = variants;
     HostExecutor::set_tensors(tensors);
+    if (plan_.matrix()) mats_ = device_matrices(tensors_, matrix_.layout);
     variant_index_ = index;
     ranges_ = chunk_ranges(tensors.size(), chunks_);
     table_words_ = build_tensor_table(tensors, plan_.num_states(), ranges_, variant_index_);
@@ -90,7 +92,7 @@ class CpuExecutor : public HostExecutor {
   void run_phase(size_t index) override {
     const ElementPhase& ph = plan_.phases[index];
     int64_t n = static_cast<int64_t>(chunks_.size());
-    if (fns_.empty()) {
+    if (fns_.empty() && matrix_fns_.empty()) {  // no compiler: the float32 interpreter
       MatrixTables* m = matrix();  // chunks write disjoint rows and column partials
       default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
         run_element_phase<float>(plan_, ph, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
@@ -103,11 +105,21 @@ class CpuExecutor : public HostExecutor {
     const double* derived = table_.data() + L.derived_offset(groups_);
     const double* skip = table_.data() + L.skip_offset(groups_);
     const double* steps = table_.data() + L.steps_offset(groups_);
-    PhaseFn fn = fns_[index];
-    default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
-      fn(table_words_.data(), chunks_.data(), b, e, derived, skip, steps, L.derived_per_group, tensor_reductions_.data(),
-         L.tensor_reductions, phase_partials_.data(), n);
-    });
+    if (plan_.matrix()) {  // chunks write disjoint rows and column partials
+      MatrixPhaseFn fn = matrix_fns_[index];
+      MatrixTables& m = matrix_;
+      default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
+        fn(table_words_.data(), chunks_.data(), b, e, derived, skip, steps, L.derived_per_group, tensor_reductions_.data(),
+           L.tensor_reductions, phase_partials_.data(), n, mats_.data(), m.row_reductions.data(), m.col_partials.data(),
+           m.row_values.data(), m.col_values.data());
+      });
+    } else {
+      PhaseFn fn = fns_[index];
+      default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
+        fn(table_words_.data(), chunks_.data(), b, e, derived, skip, steps, L.derived_per_group, tensor_reductions_.data(),
+           L.tensor_reductions, phase_partials_.data(), n);
+      });
+    }
     for (size_t k = 0; k < ph.reductions.size(); ++k) {
       const size_t slot = plan_.reduction_index(ph.reductions[k]);
       std::copy(phase_partials_.begin() + static_cast<std::ptrdiff_t>(k * chunks_.size()),
@@ -127,11 +139,16 @@ class CpuExecutor : public HostExecutor {
     host::CompileResult r = host::compile_shared_object(source);
     auto lib = std::make_unique<host::SharedLibrary>(r.so_path);
     std::vector<PhaseFn> fns;
-    for (size_t i = 0; i < plan_.phases.size(); ++i)
-      fns.push_back(reinterpret_cast<PhaseFn>(lib->symbol("of_phase" + std::to_string(i))));
+    std::vector<MatrixPhaseFn> matrix_fns;
+    for (size_t i = 0; i < plan_.phases.size(); ++i) {
+      void* f = lib->symbol("of_phase" + std::to_string(i));
+      if (plan_.matrix()) matrix_fns.push_back(reinterpret_cast<MatrixPhaseFn>(f));
+      else fns.push_back(reinterpret_cast<PhaseFn>(f));
+    }
     source_ = std::move(source);
     lib_ = std::move(lib);
     fns_ = std::move(fns);
+    matrix_fns_ = std::move(matrix_fns);
     char buf[200];
     std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads, %zu storage variant(s)",
                   r.from_cache ? "cached" : "compiled now", r.seconds, default_thread_count(), variants_.size());
@@ -142,7 +159,9 @@ class CpuExecutor : public HostExecutor {
   std::vector<StorageVariant> variants_;  // compiled, in OfTensor::variant order
   std::vector<int> variant_index_;        // per tensor
   std::unique_ptr<host::SharedLibrary> lib_;
-  std::vector<PhaseFn> fns_;
+  std::vector<PhaseFn> fns_;               // a vector plan's phases, or
+  std::vector<MatrixPhaseFn> matrix_fns_;  // a matrix plan's
+  std::vector<DeviceMatrix> mats_;         // matrix plans: per tensor, its view and table offsets
   std::vector<uint64_t> table_words_;
   std::vector<ChunkRange> ranges_;        // per tensor, its chunks (for update_pointers)
   std::vector<double> phase_partials_;

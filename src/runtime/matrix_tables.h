@@ -30,8 +30,8 @@ struct MatrixLayout {
 };
 MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vector<ChunkRange>& spans);
 
-// The CUDA executor's per-tensor row of the matrix layout: the generated struct OfMatrix
-// (codegen/cuda_matrix_source.cpp) matches.
+// The generated loops' per-tensor row of the matrix layout (CUDA's and the CPU's): the generated
+// struct OfMatrix (codegen/abi.cpp) matches.
 struct DeviceMatrix {
   int64_t cols = 1, is_matrix = 0, row_offset = 0, col_offset = 0, colpart_offset = 0;
 };

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "testing/scoped_env.h"
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
@@ -311,21 +312,7 @@ TEST(CpuBackend, ThreadCountDoesNotChangeBits) {
 // float32 storage (the two sum a reduction's partials in a different order), one storage ulp for
 // 16-bit storage.
 
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old, had_ = true;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) ::setenv(name_.c_str(), old_.c_str(), 1);
-    else ::unsetenv(name_.c_str());
-  }
-
- private:
-  std::string name_, old_;
-  bool had_ = false;
-};
+using testing::ScopedEnv;
 
 // The interpreter is slow, so a subset of the cases that between them use every op the rules use
 // (lerp, sqrt, pow, sign, min, max, select, comparisons, both reductions, skip, globals).

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "testing/scoped_env.h"
 #include "optfuse/error.h"
 
 namespace optfuse::host {
@@ -19,29 +20,7 @@ namespace {
 const char* kAddSource = R"(extern "C" int add(int a, int b) { return a + b; }
 )";
 
-// Sets (or, with nullptr, unsets) an environment variable and restores it on destruction.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    if (value) {
-      ::setenv(name, value, 1);
-    } else {
-      ::unsetenv(name);
-    }
-  }
-  ~ScopedEnv() {
-    if (old_) {
-      ::setenv(name_.c_str(), old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_.c_str());
-    }
-  }
-
- private:
-  std::string name_;
-  std::optional<std::string> old_;
-};
+using testing::ScopedEnv;
 
 void remove_tree(const std::string& path) {
   struct stat st;

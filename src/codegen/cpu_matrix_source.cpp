@@ -1,0 +1,125 @@
+#include "codegen/cpu_matrix_source.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "codegen/c_printer.h"
+#include "codegen/cpu_loop_parts.h"
+
+namespace optfuse {
+
+using namespace cpu_loops;
+
+namespace {
+
+// A reduction of the phase: its index in acc[] / a[], its scope and its slot in its table.
+struct MatrixReduction {
+  size_t k;
+  Scope scope;
+  int slot;
+};
+
+// The running accumulator the element function adds into (cuda_matrix_source.cpp does the same).
+std::string running(const MatrixReduction& r) {
+  const std::string slot = std::to_string(r.slot);
+  if (r.scope == Scope::Row) return "rowacc[" + std::to_string(r.k) + "]";
+  if (r.scope == Scope::Col) return "part[c * OF_COL_REDS + " + slot + "]";
+  return "acc[" + std::to_string(r.k) + "]";
+}
+
+std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var,
+                           const std::vector<MatrixReduction>& reds) {
+  const ElementPhase& ph = plan.phases[i];
+  const ScalarLayout& L = plan.layout;
+  const PhaseRoles rr = phase_roles(ph);
+  const std::vector<std::string> roles = role_names(plan);
+  const size_t nred = std::max<size_t>(ph.reductions.size(), 1);
+  const size_t nvalues = std::max<size_t>(plan.derived.size() + static_cast<size_t>(L.tensor_values + L.row_values + L.col_values), 1);
+  std::ostringstream s;
+  s << "\n// Phase " << i << ", variant " << k << " of a matrix plan: " << describe_variant(var, roles) << "\n"
+    << "static void of_phase" << i << "_v" << k
+    << "_mchunk(const OfTensor& t, const OfMatrix& m, long long chunk_in_tensor, long long begin, int len, "
+       "const double* derived_row, const double* tensor_row, double step, double* acc, double* row_red, "
+       "double* col_part, const double* row_val, const double* col_val) {\n"
+    << "  float u[" << nvalues << "] = {0.0f};\n"
+    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
+  if (L.tensor_values > 0)
+    s << "  const double shape[4] = {(double)t.numel, (double)(t.numel / m.cols), (double)m.cols, (double)m.is_matrix};\n"
+      << "  of_phase" << i << "_tensor(derived_row, tensor_row, shape, u + " << plan.derived.size() << ");  // this tensor's values\n";
+  s << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
+    << "  const int rows = (int)(len / C);\n"
+    << "  const long long first_elem = t.rng_offset + begin;\n"
+    << "  const unsigned long long rng = "
+    << (phase_rounds_stochastically(rr, var) ? "of_rng_base(t.rng_key, (unsigned long long)step)" : "0") << ";\n"
+    << "  (void)tensor_row; (void)step; (void)rng; (void)first_elem; (void)row_red; (void)col_part; (void)row_val; (void)col_val;\n";
+  for (int r : rr.used) {
+    const std::string type = storage_type(var[static_cast<size_t>(r)].dtype);
+    s << "  " << type << "* __restrict " << roles[static_cast<size_t>(r)] << "_p = (" << type << "*)t.ptr[" << r << "] + begin;\n";
+  }
+  bool col_reds = false;
+  for (const MatrixReduction& r : reds) col_reds = col_reds || r.scope == Scope::Col;
+  // This chunk's column partials (every slot: an earlier pass's were combined before this one).
+  if (col_reds)
+    s << "  double* __restrict part = col_part + (m.colpart_offset + chunk_in_tensor * C) * OF_COL_REDS;\n"
+      << "  for (long long x = 0; x < C * OF_COL_REDS; ++x) part[x] = 0.0;\n";
+  s << "  for (int r = 0; r < rows; ++r) {\n";
+  for (size_t q = 0; q < plan.row_derived.size(); ++q)
+    s << "    u[" << plan.derived_slot.at(plan.row_derived[q]) << "] = (float)row_val[(m.row_offset + r0 + r) * OF_ROW_VALUES + " << q
+      << "];\n";
+  s << "    double rowacc[" << nred << "] = {0.0};\n"
+    << "    const long long e0 = (long long)r * C;\n"
+    << "    for (long long c = 0; c < C; ++c) {\n";
+  for (size_t q = 0; q < plan.col_derived.size(); ++q)
+    s << "      u[" << plan.derived_slot.at(plan.col_derived[q]) << "] = (float)col_val[(m.col_offset + c) * OF_COL_VALUES + " << q
+      << "];\n";
+  s << "      double a[" << nred << "];\n";
+  if (reds.empty()) s << "      a[0] = 0.0;\n";
+  for (const MatrixReduction& r : reds) s << "      a[" << r.k << "] = " << running(r) << ";\n";
+  s << element_body(i, rr, var, roles, "e0 + c", "a", "      ");
+  for (const MatrixReduction& r : reds) s << "      " << running(r) << " = a[" << r.k << "];\n";
+  s << "    }\n";
+  for (const MatrixReduction& r : reds)
+    if (r.scope == Scope::Row)
+      s << "    row_red[(m.row_offset + r0 + r) * OF_ROW_REDS + " << r.slot << "] = rowacc[" << r.k << "];\n";
+  s << "    (void)rowacc;\n  }\n}\n";
+  return s.str();
+}
+
+}  // namespace
+
+std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
+  const ElementPhase& ph = plan.phases[i];
+  const ScalarLayout& L = plan.layout;
+  std::vector<MatrixReduction> reds;
+  for (size_t k = 0; k < ph.reductions.size(); ++k) {
+    const size_t r = plan.reduction_index(ph.reductions[k]);
+    reds.push_back({k, plan.scope_of(r), plan.reduction_area_slot[r]});
+  }
+  const size_t nred = ph.reductions.size();
+  std::ostringstream s;
+  s << "\n#undef OF_ROW_REDS\n#define OF_ROW_REDS " << std::max(L.row_reductions, 1) << "\n#undef OF_COL_REDS\n#define OF_COL_REDS "
+    << std::max(L.col_reductions, 1) << "\n#undef OF_ROW_VALUES\n#define OF_ROW_VALUES " << std::max(L.row_values, 1)
+    << "\n#undef OF_COL_VALUES\n#define OF_COL_VALUES " << std::max(L.col_values, 1) << "\n";
+  for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds);
+  s << "\nextern \"C\" void of_phase" << i
+    << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
+       " const double* skip, const double* steps, int derived_per_group, const double* tensor_reductions,"
+       " int tensor_reductions_per_tensor, double* partials, long long num_chunks, const OfMatrix* mats,"
+       " double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
+    << "  for (long long c = first; c < last; ++c) {\n"
+    << "    const OfChunk ch = chunks[c];\n    const OfTensor& t = tensors[ch.tensor];\n";
+  if (ph.kind == ElementPhase::Kind::Update) s << "    if (skip[t.group] != 0.0) continue;\n";
+  s << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
+    << "    const double* trow = tensor_reductions + (long long)ch.tensor * tensor_reductions_per_tensor;\n"
+    << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0};\n"
+    << "    switch (t.variant) {\n";
+  for (size_t k = 0; k < variants.size(); ++k)
+    s << "      case " << k << ": of_phase" << i << "_v" << k << "_mchunk(t, mats[ch.tensor], c - t.first_chunk, ch.begin, ch.length, row, trow, "
+      << "steps[t.group], acc, row_red, col_part, row_val, col_val); break;\n";
+  s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
+  for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";
+  s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)steps; (void)tensor_reductions; (void)derived;\n}\n";
+  return s.str();
+}
+
+}  // namespace optfuse
