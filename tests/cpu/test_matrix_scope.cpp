@@ -14,6 +14,7 @@
 #include "optfuse/plan.h"
 #include "runtime/chunks.h"
 #include "runtime/matrix_tables.h"
+#include "testing/matrix_rules.h"
 #include "testing/scoped_env.h"
 #include "testing/tensor_set.h"
 
@@ -235,17 +236,9 @@ TEST_P(MatrixScope, MaxOfAbsPerRowAndColumn) {
 // the same order (rows, columns and chunks in order), so they agree bitwise: row and column sums,
 // maxima of abs, a per-tensor sum of row values, Adafactor; float32 and bfloat16 storage.
 TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
-  Rule mx("row_and_column_max");
-  mx.row_state("rows").col_state("cols").update([](RuleBuilder& b) {
-    Expr g = b.update();
-    Expr rows = reduce(Op::MaxAbs, g, Scope::Row), cols = reduce(Op::MaxAbs, g, Scope::Col);
-    b.set_state("rows", rows);
-    b.set_state("cols", cols);
-    return g * (0.1 + reduce(Op::MaxAbs, rows, Scope::Tensor)) / (1.0 + rows * cols) * -0.01;
-  });
   const std::vector<testing::TensorSpec> sizes = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 20000, 1, 20000},
                                                   {17 * 5, 1, 5}, {1, 0, 0}};
-  for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), Chain{mx}})
+  for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), Chain{testing::row_and_column_max()}})
     for (DType d : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(std::string(build_program(c).chain_text) + ", " + dtype_name(d));
       Optimizer compiled(c, Backend::cpu, 2);

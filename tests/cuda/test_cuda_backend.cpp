@@ -21,6 +21,7 @@
 #include "runtime/cuda_api.h"
 #include "cuda/require_cuda.h"
 #include "testing/device_tensor_set.h"
+#include "testing/matrix_rules.h"
 #include "testing/tensor_set.h"
 #include "testing/workloads.h"
 
@@ -42,20 +43,6 @@ bool has_hyper(const Chain& c, const std::string& name) {
     for (const HyperSpec& h : r.hypers())
       if (h.name == name) return true;
   return false;
-}
-
-// Maxima of abs over rows, over columns and over a tensor's row values (of_max folds throughout the
-// matrix loop and the Values kernel).
-Rule row_and_column_max() {
-  Rule mx("row_and_column_max");
-  mx.row_state("rows").col_state("cols").update([](RuleBuilder& b) {
-    Expr g = b.update();
-    Expr rows = reduce(Op::MaxAbs, g, Scope::Row), cols = reduce(Op::MaxAbs, g, Scope::Col);
-    b.set_state("rows", rows);
-    b.set_state("cols", cols);
-    return g * (0.1 + reduce(Op::MaxAbs, rows, Scope::Tensor)) / (1.0 + rows * cols);
-  });
-  return mx;
 }
 
 // Every built-in by name, options that change the program's structure, and the two chains of the
@@ -87,7 +74,7 @@ std::vector<Case> all_cases() {
     });
     add("scale_by_max_abs", Chain{r});
   }
-  add("row_and_column_max", Chain{row_and_column_max()});
+  add("row_and_column_max", Chain{optfuse::testing::row_and_column_max()});
   add("sgd(momentum, nesterov, weight_decay, maximize)",
       sgd({{"momentum", 0.9}, {"nesterov", true}, {"weight_decay", 0.01}, {"maximize", true}}));
   add("sgd(momentum, dampening)", sgd({{"momentum", 0.9}, {"dampening", 0.1}}));
@@ -700,7 +687,7 @@ TEST(CudaBackend, MatrixViewsMatchReferenceAndRepeatBitwise) {
   const std::vector<TensorSpec> specs = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 70000, 1, 70000},
                                          {17 * 5, 1, 5},        {1, 0, 0},     {4096 * 64, 0, 64}};
   for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), adafactor({{"maximize", true}, {"d", 1.5}}),
-                         Chain{row_and_column_max()}})
+                         Chain{optfuse::testing::row_and_column_max()}})
     for (DType dt : {DType::f32, DType::bf16}) {
       double w = worst_vs_reference(c, dt, 8, {}, specs);
       EXPECT_TRUE(w <= tolerance(dt)) << build_program(c).chain_text << " " << dtype_name(dt) << ": worst " << w;
