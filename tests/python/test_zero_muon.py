@@ -5,8 +5,11 @@ tensor starts only) and steps them with the wrapped class; the parameters are th
 On 1, 2 and 3 processes, given the same (averaged) gradients on every rank, the parameters after 8
 steps and the consolidated state dict (also reloaded into a new ZeRO mid-run) equal the unsharded
 optimizer's, and each rank holds only its matrices' state. Stage 2 is refused with the reason.
+Sharded (DCP) checkpoints: saved by 2 or 3 ranks, loaded by 1, 2 or 3, training continues bitwise
+as the unsharded optimizer's.
 Processes start with torch.multiprocessing, rendezvous through a file, and are bounded by timeouts."""
 import copy
+import os
 from datetime import timedelta
 
 import pytest
@@ -115,3 +118,65 @@ def test_zero_of_muon_owns_whole_matrices_and_equals_the_unsharded_optimizer(wor
         clip = res["clip"]
         assert all(abs(a - b) <= 1e-6 * b and b > 1.0 for a, b in clip["norms"]), clip["norms"]  # the clip acts
         assert clip["rel_err"] <= 1e-5, clip
+
+
+DCP_STEPS = 4
+
+
+def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
+    """phase "save": train DCP_STEPS, save ZeRO's state with DCP and (rank 0) the unsharded reference.
+    phase "load": a new ZeRO of this world size loads it and both continue DCP_STEPS."""
+    import torch.distributed.checkpoint as dcp
+    import optfuse.torch as oft
+    from optfuse.torch.distributed import ZeRO
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))
+    out = {}
+    for label in ("Muon", "MuonWithAuxAdam"):
+        ckpt = os.path.join(ckpt_dir, label)
+        model = make_model()
+        ref_model = copy.deepcopy(model)
+        start = 0
+        if phase == "load":
+            saved = torch.load(ckpt + ".ref.pt")
+            model.load_state_dict(saved["model"])
+            ref_model.load_state_dict(saved["model"])
+            start = DCP_STEPS
+        zero, ref = ZeRO(make(oft, label, model)), make(oft, label, ref_model)
+        if phase == "load":
+            ref.load_state_dict(saved["ref"])
+            sd = zero.sharded_state_dict(like=dcp.FileSystemReader(ckpt).read_metadata())
+            dcp.load(sd, checkpoint_id=ckpt)
+            zero.load_sharded_state_dict(sd)
+            out[label + " loaded"] = same(zero.state_dict()["state"], saved["ref"]["state"])
+        before = [p.detach().clone() for p in model.parameters()]
+        for s in range(start, start + DCP_STEPS):
+            g = torch.Generator().manual_seed(s)  # the same "averaged" gradients on every rank
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                p.grad = torch.randn(p.shape, generator=g)
+                q.grad = p.grad.clone()
+            zero.step()
+            ref.step()
+        out[label] = dict(params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
+                          state_equal=same(zero.state_dict()["state"], ref.state_dict()["state"]),
+                          moved=any(not torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+        if phase == "save":
+            dcp.save(zero.sharded_state_dict(), checkpoint_id=ckpt)
+            if rank == 0:
+                torch.save({"model": model.state_dict(), "ref": ref.state_dict()}, ckpt + ".ref.pt")
+            dist.barrier()
+    report(out_dir, rank, out)
+
+
+@pytest.mark.parametrize("saved_by,loaded_by", [(2, 1), (2, 3), (3, 2)])
+def test_dcp_checkpoint_of_muon_reshards_and_training_continues_bitwise(saved_by, loaded_by, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    saved = spawn_ranks(dcp_worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
+    loaded = spawn_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
+    for phase, results in (("save", saved), ("load", loaded)):
+        for rank, res in enumerate(results):
+            for label in ("Muon", "MuonWithAuxAdam"):
+                assert res[label] == dict(params_equal=True, state_equal=True, moved=True), (phase, rank, label, res[label])
+                if phase == "load":
+                    assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")

@@ -62,7 +62,8 @@ saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the 
 local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
 
 Muon and MuonWithAuxAdam (stage 1 only): Newton-Schulz needs whole matrices, so their shards are cut
-at tensor starts only; each rank steps the parameters it owns, whole, with the wrapped class.
+at tensor starts only; each rank steps the parameters it owns, whole, with the wrapped class; their
+sharded (DCP) checkpoints hold each owned state whole, written by its owner.
 """
 import contextlib
 import io
@@ -609,10 +610,14 @@ class ZeRO(torch.optim.Optimizer):
             sd = zero.sharded_state_dict(like=dcp.FileSystemReader(path).read_metadata())
             dcp.load(sd, checkpoint_id=path)
             zero.load_sharded_state_dict(sd)
+
+        Muon and MuonWithAuxAdam (each rank owns whole parameters): ``"state.<i>.<key>"`` is the
+        owner's state itself, in the parameter's shape, in the dict of its owner only (DCP writes a
+        key that one rank holds from that rank); loading, each rank asks for the states of the
+        parameters it owns now, so any world size reads any other's checkpoint.
         """
         if self._whole:
-            raise OptfuseError(f"ZeRO of {type(self.optimizer).__name__}: sharded (DCP) checkpoints are not built; "
-                               "state_dict() gives the consolidated one")
+            return self._whole_sharded_state_dict(like)
         from torch.distributed._shard.metadata import ShardMetadata
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
         from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
@@ -667,6 +672,38 @@ class ZeRO(torch.optim.Optimizer):
                 out[key] = torch.empty(md.size, dtype=md.properties.dtype)
         return out
 
+    def _whole_sharded_state_dict(self, like):
+        """sharded_state_dict of Muon / MuonWithAuxAdam: the owned parameters' states, whole."""
+        params = self._params()
+        owned = {i for i, pc in enumerate(self._mine) if pc.end > pc.begin}
+        out = {}
+        if like is None:
+            adam = getattr(self._inner, "_adam", None)
+            if adam is not None and adam._engines:
+                adam._sync_steps(write_state=True)  # step counts into the state
+            for i in sorted(owned):
+                for k, v in (self._inner.state.get(params[i]) or {}).items():
+                    out[f"state.{i}.{k}"] = v
+            out["param_groups"] = _to_bytes([{k: v for k, v in g.items() if k != "params"}
+                                             for g in self._inner.param_groups])
+            out["param_numels"] = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+            return out
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        for key, md in like.state_dict_metadata.items():
+            if key.startswith("state."):
+                i = int(key.split(".")[1])
+                if i >= len(params):
+                    raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter {i}, this "
+                                       f"optimizer has {len(params)} parameters")
+                if i not in owned:
+                    continue  # another rank's matrix now
+            if not isinstance(md, TensorStorageMetadata):
+                out[key] = None  # a Python value: DCP puts the saved object here
+            else:  # a state tensor (on the parameters' device; a 0-dim step count on the CPU, as torch keeps it)
+                device = self._device if key.startswith("state.") and len(md.size) > 0 else "cpu"
+                out[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
+        return out
+
     @staticmethod
     def _per_element(pc, v):
         """A state tensor of the piece's elements (sliced by the shards), not a per-parameter value."""
@@ -689,6 +726,19 @@ class ZeRO(torch.optim.Optimizer):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         inner = self._inner
         inner.state.clear()
+        if self._whole:  # the owned parameters' states, whole; the step rebuilds its tables from them
+            params = self._params()
+            for key, v in state_dict.items():
+                if key.startswith("state."):
+                    _, i, k = key.split(".", 2)
+                    if self._mine[int(i)].end > self._mine[int(i)].begin:
+                        inner.state[params[int(i)]][k] = v.clone() if torch.is_tensor(v) else v
+            muon, adam = (inner, None) if not hasattr(inner, "_adam") else (inner._muon, inner._adam)
+            if muon is not None:
+                muon._of_dirty = True
+            if adam is not None:
+                adam._engines, adam._steps, adam._of_dirty = {}, {}, True
+            return
         for key, v in state_dict.items():
             if not key.startswith("state."):
                 continue
