@@ -242,19 +242,6 @@ def test_shard_ranges():
         assert max(b - a for a, b in ranges) <= -(-sum(sizes) // world) + 16384
 
 
-def test_muon_stage2_is_refused_with_the_reason():
-    """ZeRO of Muon is stage 1 only (test_zero_muon.py); stage 2 is refused before any process group
-    is needed."""
-    import optfuse
-    import optfuse.torch as oft
-    from optfuse.torch.distributed import ZeRO
-    m = torch.nn.Linear(8, 8, bias=False)
-    for opt in (oft.Muon(m.parameters(), lr=0.02),
-                oft.MuonWithAuxAdam([{"params": list(m.parameters()), "use_muon": True}])):
-        with pytest.raises(optfuse.OptfuseError, match="stage=2 of Muon"):
-            ZeRO(opt, stage=2)
-
-
 def test_exchange_sees_the_partials_and_its_writes_are_combined():
     """The core's exchange hook (what ZeRO uses): local and global are views of the executor's
     partials; what the hook writes into global is what the step combines (an identity exchange gives

@@ -61,9 +61,10 @@ size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP res
 saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
 local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
 
-Muon and MuonWithAuxAdam (stage 1 only): Newton-Schulz needs whole matrices, so their shards are cut
-at tensor starts only; each rank steps the parameters it owns, whole, with the wrapped class; their
-sharded (DCP) checkpoints hold each owned state whole, written by its owner.
+Muon and MuonWithAuxAdam: Newton-Schulz needs whole matrices, so their shards are cut at tensor
+starts only; each rank steps the parameters it owns, whole, with the wrapped class (stage 2: each
+owned matrix's gradient is its averaged shard); their sharded (DCP) checkpoints hold each owned
+state whole, written by its owner.
 """
 import contextlib
 import io
@@ -107,16 +108,15 @@ class ZeRO(torch.optim.Optimizer):
         from ._muon import Muon, MuonWithAuxAdam
         # Muon orthogonalises whole matrices: each rank then owns whole parameters (see _plan_shards)
         self._whole = isinstance(optimizer, (Muon, MuonWithAuxAdam))
-        if self._whole and stage != 1:
-            raise OptfuseError(f"ZeRO: stage={stage} of {type(optimizer).__name__} is not built (stage 1 is: each rank "
-                               "owns whole matrices and steps them with the gradients DDP averaged)")
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
         if not self._whole and not isinstance(optimizer, FusedOptimizer):
             optimizer = fuse(optimizer)
-        if self._whole:
+        if self._whole and stage == 1:
             # Muon takes GradScaler's standard path (it unscales the gradients, then calls step()), as
-            # torch.optim.Muon does
+            # torch.optim.Muon does: every rank has the same (DDP-averaged) gradients, so the same
+            # verdict. (Stage 2 takes grad_scale / found_inf: the local gradients differ, and the
+            # ranks must agree on skipping: _step_whole.)
             self._step_supports_amp_scaling = False
         self.optimizer = optimizer
         self.process_group = process_group
@@ -342,17 +342,37 @@ class ZeRO(torch.optim.Optimizer):
         return loss
 
     def _step_whole(self, loss, grad_scale, found_inf):
-        """Muon: the owned matrices stepped by the wrapped class, then every rank's parameters gathered."""
-        if grad_scale is not None or found_inf is not None:
+        """Muon: the owned matrices stepped by the wrapped class, then every rank's parameters gathered.
+        Stage 2: each owned matrix's gradient is its averaged shard (the reducer's view, in the
+        matrix's shape); GradScaler passes grad_scale / found_inf (found_inf agreed by every rank in
+        _step_impl): an inf skips the step on every rank, else the gradients are unscaled first."""
+        if self.stage == 1 and (grad_scale is not None or found_inf is not None):
             raise OptfuseError(f"ZeRO of {type(self.optimizer).__name__}: grad_scale / found_inf are not taken (as "
                                "torch.optim.Muon: GradScaler unscales the gradients itself and skips step() on an inf)")
+        owned = [pc for pc in self._mine if pc.end > 0]
+        if self._reducer is not None:
+            for pc in owned:  # (the piece's .grad is None where no rank had a gradient)
+                g = pc.view.grad
+                pc.param.grad = None if g is None else g.view(pc.param.shape)
+        if found_inf is not None and float(found_inf) != 0.0:
+            self._clip_coef = None
+            if self._reducer is not None:
+                _core._clear_grads(self._params())
+            return loss  # skipped on every rank (found_inf is the same everywhere): nothing to gather
+        grads = [pc.param.grad for pc in owned if pc.param.grad is not None]
+        if grad_scale is not None and grads:  # unscaled as GradScaler.unscale_ does: g * float(1 / double(scale))
+            inv = torch.as_tensor(grad_scale, device=self._device).double().reciprocal().float()
+            torch._foreach_mul_(grads, inv.to(grads[0].dtype))
         if self._clip_coef is not None:  # clip_grad_norm_ since the last step: the owned gradients scaled
-            grads = [pc.param.grad for pc in self._mine if pc.end > 0 and pc.param.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, self._clip_coef.to(grads[0].dtype))
             self._clip_coef = None
         self._inner.step()
         self._all_gather_params()
+        if self._reducer is not None:
+            # The full local gradients are spent (the owned ones are views of the averaged shard,
+            # which stays in grad_shards() until the next step): free them, as the other optimizers'.
+            _core._clear_grads(self._params())
         return loss
 
     def _finish_reduction(self, grad_scale, found_inf):
