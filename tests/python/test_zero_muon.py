@@ -1,7 +1,8 @@
-"""optfuse.torch.distributed.ZeRO around Muon and MuonWithAuxAdam (stage 1) on CPU ranks over gloo.
+"""optfuse.torch.distributed.ZeRO around Muon, MuonWithAuxAdam and Adafactor on CPU ranks over gloo.
 
-Newton-Schulz orthogonalises whole matrices, so each rank owns whole parameters (shards cut at
-tensor starts only) and steps them with the wrapped class; the parameters are then all-gathered.
+Newton-Schulz orthogonalises whole matrices and Adafactor factors them, so each rank owns whole
+parameters (shards cut at tensor starts only) and steps them with the wrapped class; the parameters
+are then all-gathered. Another rule chain with row and column values is refused.
 On 1, 2 and 3 processes, given the same (averaged) gradients on every rank, the parameters after 8
 steps and the consolidated state dict (also reloaded into a new ZeRO mid-run) equal the unsharded
 optimizer's, and each rank holds only its matrices' state. Stage 2 (no DDP: each rank's own
@@ -24,6 +25,7 @@ if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available in this torch build", allow_module_level=True)
 
 STEPS = 8
+LABELS = ("Muon", "MuonWithAuxAdam", "Adafactor")
 
 
 def make_model():
@@ -41,6 +43,8 @@ def make(oft, label, model):
     matrices, others = split(model)
     if label == "Muon":
         return oft.Muon(matrices, lr=0.02, weight_decay=0.01)
+    if label == "Adafactor":  # matrices factored, vectors not: whole parameters per rank too
+        return oft.Adafactor(model.parameters(), lr=0.01, weight_decay=0.01)
     return oft.MuonWithAuxAdam([dict(params=matrices, use_muon=True, lr=0.02, weight_decay=0.01),
                                 dict(params=others, use_muon=False, lr=1e-3, weight_decay=0.01)])
 
@@ -62,7 +66,7 @@ def worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     out = {}
-    for label in ("Muon", "MuonWithAuxAdam"):
+    for label in LABELS:
         model = make_model()
         ref_model = copy.deepcopy(model)
         zero, ref = ZeRO(make(oft, label, model)), make(oft, label, ref_model)
@@ -98,6 +102,15 @@ def worker(rank, world, init_file, out_dir):
         ref.step()
     out["clip"] = dict(norms=norms, rel_err=max(float((p - q).abs().max() / q.abs().max())
                                                 for p, q in zip(model.parameters(), ref_model.parameters())))
+    if world == 1:  # another chain with row and column values: refused, not stepped as flat vectors
+        try:
+            zero = ZeRO(oft.Fused("adafactor(lr=0.01)", make_model().parameters()))
+            for p in zero.param_groups[0]["params"]:
+                p.grad = torch.ones_like(p)
+            zero.step()
+            out["fused matrix plan"] = "no error"
+        except optfuse.OptfuseError as e:
+            out["fused matrix plan"] = str(e)
     report(out_dir, rank, out)
 
 
@@ -105,7 +118,7 @@ def worker(rank, world, init_file, out_dir):
 def test_zero_of_muon_owns_whole_matrices_and_equals_the_unsharded_optimizer(world, tmp_path):
     results = spawn_ranks(worker, world, tmp_path)
     for rank, res in enumerate(results):
-        for label in ("Muon", "MuonWithAuxAdam"):
+        for label in LABELS:
             r = res[label]
             assert r["moved"], (label, "training did not move the parameters: the comparison would be vacuous")
             assert r["params_equal"] and r["state_equal"] and r["mid_state_equal"], (world, rank, label, r)
@@ -115,6 +128,8 @@ def test_zero_of_muon_owns_whole_matrices_and_equals_the_unsharded_optimizer(wor
         clip = res["clip"]
         assert all(abs(a - b) <= 1e-6 * b and b > 1.0 for a, b in clip["norms"]), clip["norms"]  # the clip acts
         assert clip["rel_err"] <= 1e-5, clip
+    if world == 1:
+        assert "matrix plan" in results[0]["fused matrix plan"], results[0]["fused matrix plan"]
 
 
 DCP_STEPS = 4
@@ -129,7 +144,7 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     out = {}
-    for label in ("Muon", "MuonWithAuxAdam"):
+    for label in LABELS:
         ckpt = os.path.join(ckpt_dir, label)
         model = make_model()
         ref_model = copy.deepcopy(model)
@@ -173,7 +188,7 @@ def test_dcp_checkpoint_of_muon_reshards_and_training_continues_bitwise(saved_by
     loaded = spawn_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
     for phase, results in (("save", saved), ("load", loaded)):
         for rank, res in enumerate(results):
-            for label in ("Muon", "MuonWithAuxAdam"):
+            for label in LABELS:
                 assert res[label] == dict(params_equal=True, state_equal=True, moved=True), (phase, rank, label, res[label])
                 if phase == "load":
                     assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
@@ -212,7 +227,7 @@ def stage2_worker(rank, world, init_file, out_dir):
         if nan and rank == world - 1:  # only this rank's local gradients
             model[0].weight.grad.view(-1)[5] = float("nan")
 
-    for label in ("Muon", "MuonWithAuxAdam"):
+    for label in LABELS:
         model = make_model()
         ref_model = copy.deepcopy(model)
         zero, ref = ZeRO(make(oft, label, model), stage=2), make(oft, label, ref_model)
@@ -260,7 +275,7 @@ def stage2_worker(rank, world, init_file, out_dir):
 def test_zero2_of_muon_is_bitwise_the_unsharded_optimizer_on_averaged_gradients(world, tmp_path):
     results = spawn_ranks(stage2_worker, world, tmp_path)
     for rank, res in enumerate(results):
-        for label in ("Muon", "MuonWithAuxAdam"):
+        for label in LABELS:
             assert res[label] == dict(params_equal=True, moved=True, state_equal=True, freed=True), (world, rank, label, res[label])
         r = res["gradscaler"]
         assert r["params_equal"] and r["skipped"] is True, (world, rank, r)

@@ -61,10 +61,11 @@ size whose shards are the ranks' pieces (1-D, at their flat offsets), so DCP res
 saved by N ranks, loaded by M. FSDP2 (DTensor parameters) needs no wrapper: the optimizers step
 local shards themselves, reductions over the mesh included (_dtensor.py); ZeRO refuses DTensor parameters.
 
-Muon and MuonWithAuxAdam: Newton-Schulz needs whole matrices, so their shards are cut at tensor
-starts only; each rank steps the parameters it owns, whole, with the wrapped class (stage 2: each
-owned matrix's gradient is its averaged shard); their sharded (DCP) checkpoints hold each owned
-state whole, written by its owner.
+Muon, MuonWithAuxAdam and Adafactor: Newton-Schulz and Adafactor's row and column means need whole
+matrices, so their shards are cut at tensor starts only; each rank steps the parameters it owns,
+whole, with the wrapped class (stage 2: each owned matrix's gradient is its averaged shard); their
+sharded (DCP) checkpoints hold each owned state whole, written by its owner. Another rule chain with
+row or column values (a matrix plan) is refused.
 """
 import contextlib
 import io
@@ -78,6 +79,18 @@ from ._base import FusedOptimizer, OptfuseError, _step_with_hooks, hooks_active
 from ._fused import fuse
 from ._partials import gather_exchange
 from ._zero_buckets import DEFAULT_BUCKET_MB, GradientReducer, plan_buckets, shard_ranges  # noqa: F401 (shard_ranges: API)
+
+
+def _whole_parts(optimizer):
+    """An optimizer that ZeRO shards by whole parameters, as (its Muon or None, its FusedOptimizers):
+    Muon (Muon, []), MuonWithAuxAdam (its Muon, [its AdamW]), Adafactor (None, [itself])."""
+    from ._muon import Muon, MuonWithAuxAdam
+    if isinstance(optimizer, Muon):
+        return optimizer, []
+    if isinstance(optimizer, MuonWithAuxAdam):
+        return optimizer._muon, [optimizer._adam] if optimizer._adam is not None else []
+    return None, [optimizer]
+
 
 def _to_bytes(obj):
     """A Python object as a uint8 tensor (DCP saves one copy of a tensor every rank holds alike, and
@@ -105,17 +118,19 @@ class ZeRO(torch.optim.Optimizer):
         if stage not in (1, 2):
             raise OptfuseError(f"ZeRO: stage={stage!r} is not built (stage=1: gradients all-reduced by DDP; stage=2: "
                                "ZeRO reduce-scatters the local gradients itself)")
+        from ._adafactor import Adafactor
         from ._muon import Muon, MuonWithAuxAdam
-        # Muon orthogonalises whole matrices: each rank then owns whole parameters (see _plan_shards)
-        self._whole = isinstance(optimizer, (Muon, MuonWithAuxAdam))
+        # Muon orthogonalises whole matrices, Adafactor factors them (row and column means): each rank
+        # then owns whole parameters (see _plan_shards)
+        self._whole = isinstance(optimizer, (Muon, MuonWithAuxAdam, Adafactor))
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
         if not self._whole and not isinstance(optimizer, FusedOptimizer):
             optimizer = fuse(optimizer)
         if self._whole and stage == 1:
-            # Muon takes GradScaler's standard path (it unscales the gradients, then calls step()), as
-            # torch.optim.Muon does: every rank has the same (DDP-averaged) gradients, so the same
-            # verdict. (Stage 2 takes grad_scale / found_inf: the local gradients differ, and the
+            # Whole parameters take GradScaler's standard path (it unscales the gradients, then calls
+            # step()), as torch.optim.Muon does: every rank has the same (DDP-averaged) gradients, so
+            # the same verdict. (Stage 2 takes grad_scale / found_inf: the local gradients differ, and the
             # ranks must agree on skipping: _step_whole.)
             self._step_supports_amp_scaling = False
         self.optimizer = optimizer
@@ -226,6 +241,10 @@ class ZeRO(torch.optim.Optimizer):
         its steps all-gather the per-chunk partials of every rank into the global chunk order. The
         global chunks are the unsharded engine's: every chunk of every parameter in this engine's
         table (every rank's engine lists the same parameters, in the same order)."""
+        if engine.core.plan.matrix:  # (its pieces are flat: it would step them as vectors, silently)
+            raise OptfuseError(f"ZeRO: {type(self.optimizer).__name__}'s rule chain has row or column values (a matrix "
+                               "plan), whose shards would cut matrices; ZeRO shards optfuse.torch.Adafactor, Muon and "
+                               "MuonWithAuxAdam by whole parameters, other such chains are not built")
         if not engine.core.plan.reduction_scopes or self.world == 1:
             return  # (one rank: its partials are all of them, and the step stays capturable)
         chunk = self._chunk
@@ -262,10 +281,11 @@ class ZeRO(torch.optim.Optimizer):
 
     def _take_state_from(self, optimizer):
         """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
-        if self._whole:  # Muon: the states of the matrices this rank owns, as they are
-            muon, adam = (optimizer, None) if not hasattr(optimizer, "_adam") else (optimizer._muon, optimizer._adam)
-            if adam is not None and adam._engines:
-                adam._sync_steps(write_state=True)
+        if self._whole:  # the states of the parameters this rank owns, as they are
+            muon, fused = _whole_parts(optimizer)
+            for f in fused:
+                if f._engines:
+                    f._sync_steps(write_state=True)
             for pc in self._mine:
                 if pc.end > 0 and optimizer.state.get(pc.param):
                     self._inner.state[pc.param] = {k: v.clone() if torch.is_tensor(v) else v
@@ -274,8 +294,9 @@ class ZeRO(torch.optim.Optimizer):
             # retired: it holds no state now, and no tables that could write stale counts into a state
             if muon is not None:
                 muon._init_private()
-            if adam is not None:
-                adam._engines, adam._steps, adam._of_dirty = {}, {}, True
+            for f in fused:
+                f._engines, f._steps, f._of_dirty = {}, {}, True
+            self._rebuild_whole()
             return
         if optimizer._engines:  # it has stepped: its step counts may be newer than its state's
             optimizer._sync_steps(write_state=True)
@@ -564,9 +585,8 @@ class ZeRO(torch.optim.Optimizer):
     def state_dict(self):
         """The unsharded state dict in the wrapped optimizer's (torch's) format, on every rank. The
         pieces travel as CPU tensors through all_gather_object (simple, not fast: for checkpoints)."""
-        sync = getattr(getattr(self._inner, "_adam", None) if self._whole else self._inner, "_sync_steps", None)
-        if sync is not None:
-            sync(write_state=True)  # step counts into the pieces' state
+        for f in _whole_parts(self._inner)[1] if self._whole else [self._inner]:
+            f._sync_steps(write_state=True)  # step counts into the pieces' state
         # Group-level state the class writes into its groups when saving (timm's Lamb keeps its step
         # count in the group): every rank's pieces have the same counts, so the inner groups' value
         # is the unsharded one.
@@ -698,9 +718,9 @@ class ZeRO(torch.optim.Optimizer):
         owned = {i for i, pc in enumerate(self._mine) if pc.end > pc.begin}
         out = {}
         if like is None:
-            adam = getattr(self._inner, "_adam", None)
-            if adam is not None and adam._engines:
-                adam._sync_steps(write_state=True)  # step counts into the state
+            for f in _whole_parts(self._inner)[1]:
+                if f._engines:
+                    f._sync_steps(write_state=True)  # step counts into the state
             for i in sorted(owned):
                 for k, v in (self._inner.state.get(params[i]) or {}).items():
                     out[f"state.{i}.{k}"] = v
@@ -753,11 +773,7 @@ class ZeRO(torch.optim.Optimizer):
                     _, i, k = key.split(".", 2)
                     if self._mine[int(i)].end > self._mine[int(i)].begin:
                         inner.state[params[int(i)]][k] = v.clone() if torch.is_tensor(v) else v
-            muon, adam = (inner, None) if not hasattr(inner, "_adam") else (inner._muon, inner._adam)
-            if muon is not None:
-                muon._of_dirty = True
-            if adam is not None:
-                adam._engines, adam._steps, adam._of_dirty = {}, {}, True
+            self._rebuild_whole()
             return
         for key, v in state_dict.items():
             if not key.startswith("state."):
@@ -778,6 +794,14 @@ class ZeRO(torch.optim.Optimizer):
         inner._of_dirty = True
 
     # --- helpers
+    def _rebuild_whole(self):
+        """Whole parameters: the inner optimizer's next step rebuilds its tables from its state."""
+        muon, fused = _whole_parts(self._inner)
+        if muon is not None:
+            muon._of_dirty = True
+        for f in fused:
+            f._engines, f._steps, f._of_dirty = {}, {}, True
+
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
