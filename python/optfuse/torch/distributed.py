@@ -363,8 +363,8 @@ class ZeRO(torch.optim.Optimizer):
         return loss
 
     def _step_whole(self, loss, grad_scale, found_inf):
-        """Muon: the owned matrices stepped by the wrapped class, then every rank's parameters gathered.
-        Stage 2: each owned matrix's gradient is its averaged shard (the reducer's view, in the
+        """Whole parameters (Muon, Adafactor): the owned ones stepped by the wrapped class, then every
+        rank's parameters gathered. Stage 2: each owned matrix's gradient is its averaged shard (the reducer's view, in the
         matrix's shape); GradScaler passes grad_scale / found_inf (found_inf agreed by every rank in
         _step_impl): an inf skips the step on every rank, else the gradients are unscaled first."""
         if self.stage == 1 and (grad_scale is not None or found_inf is not None):
@@ -651,7 +651,7 @@ class ZeRO(torch.optim.Optimizer):
             dcp.load(sd, checkpoint_id=path)
             zero.load_sharded_state_dict(sd)
 
-        Muon and MuonWithAuxAdam (each rank owns whole parameters): ``"state.<i>.<key>"`` is the
+        Muon, MuonWithAuxAdam and Adafactor (each rank owns whole parameters): ``"state.<i>.<key>"`` is the
         owner's state itself, in the parameter's shape, in the dict of its owner only (DCP writes a
         key that one rank holds from that rank); loading, each rank asks for the states of the
         parameters it owns now, so any world size reads any other's checkpoint.
@@ -713,7 +713,8 @@ class ZeRO(torch.optim.Optimizer):
         return out
 
     def _whole_sharded_state_dict(self, like):
-        """sharded_state_dict of Muon / MuonWithAuxAdam: the owned parameters' states, whole."""
+        """sharded_state_dict of whole-parameter optimizers (Muon, MuonWithAuxAdam, Adafactor): the owned
+        parameters' states, whole."""
         params = self._params()
         owned = {i for i, pc in enumerate(self._mine) if pc.end > pc.begin}
         out = {}
