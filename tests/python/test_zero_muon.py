@@ -49,6 +49,14 @@ def make(oft, label, model):
                                 dict(params=others, use_muon=False, lr=1e-3, weight_decay=0.01)])
 
 
+def same_grads(model, ref_model, s):
+    """Step s's gradients, the same on every rank (as DDP's averaged ones) and for the reference."""
+    g = torch.Generator().manual_seed(s)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        p.grad = torch.randn(p.shape, generator=g)
+        q.grad = p.grad.clone()
+
+
 def same(a, b):
     if torch.is_tensor(a):
         return torch.is_tensor(b) and torch.equal(a.cpu(), b.cpu())
@@ -76,10 +84,7 @@ def worker(rank, world, init_file, out_dir):
                 mid_state_equal = same(sd["state"], ref.state_dict()["state"])
                 zero = ZeRO(make(oft, label, model))
                 zero.load_state_dict(sd)
-            g = torch.Generator().manual_seed(s)  # the same "averaged" gradients on every rank
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                p.grad = torch.randn(p.shape, generator=g)
-                q.grad = p.grad.clone()
+            same_grads(model, ref_model, s)
             zero.step()
             ref.step()
         full = sum(v.numel() for st in ref.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0)
@@ -93,10 +98,7 @@ def worker(rank, world, init_file, out_dir):
     zero, ref = ZeRO(make(oft, "MuonWithAuxAdam", model)), make(oft, "MuonWithAuxAdam", ref_model)
     norms = []
     for s in range(STEPS):
-        g = torch.Generator().manual_seed(s)
-        for p, q in zip(model.parameters(), ref_model.parameters()):
-            p.grad = torch.randn(p.shape, generator=g)
-            q.grad = p.grad.clone()
+        same_grads(model, ref_model, s)
         norms.append((float(zero.clip_grad_norm_(1.0)), float(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0))))
         zero.step()
         ref.step()
@@ -163,10 +165,7 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
             out[label + " loaded"] = same(zero.state_dict()["state"], saved["ref"]["state"])
         before = [p.detach().clone() for p in model.parameters()]
         for s in range(start, start + DCP_STEPS):
-            g = torch.Generator().manual_seed(s)  # the same "averaged" gradients on every rank
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                p.grad = torch.randn(p.shape, generator=g)
-                q.grad = p.grad.clone()
+            same_grads(model, ref_model, s)
             zero.step()
             ref.step()
         out[label] = dict(params_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), ref_model.parameters())),
