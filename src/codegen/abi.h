@@ -41,7 +41,7 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
 // per-tensor sum of column values (the reference and CPU backends run every plan).
 void require_generated_loops(const Plan& plan, const char* backend);
 
-// Needs OF_ROLES defined before it.
+// Needs OF_ROLES and OF_FN (the printer's common source) defined before it.
 std::string abi_source();
 // The scalar table's offset functions (of_hypers_offset(), of_steps_offset(groups), ...), printed
 // from the plan's ScalarLayout: the one definition of the layout, for generated code too.

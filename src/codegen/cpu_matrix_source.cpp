@@ -44,7 +44,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "  float u[" << nvalues << "] = {0.0f};\n"
     << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
   if (L.tensor_values > 0)
-    s << "  const double shape[4] = {(double)t.numel, (double)(t.numel / m.cols), (double)m.cols, (double)m.is_matrix};\n"
+    s << "  double shape[4];\n  of_shape(t, m, shape);\n"
       << "  of_phase" << i << "_tensor(derived_row, tensor_row, shape, u + " << plan.derived.size() << ");  // this tensor's values\n";
   s << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
     << "  const int rows = (int)(len / C);\n"

@@ -143,9 +143,6 @@ template <int DT> __device__ __forceinline__ void of_store4(typename OfStorage<D
     *(uint2*)p = x;
   }
 }
-__device__ __forceinline__ void of_shape(const OfTensor& t, const OfMatrix& m, double* shape) {
-  shape[0] = (double)t.numel; shape[1] = (double)(t.numel / m.cols); shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
-}
 )";
   return s.str();
 }

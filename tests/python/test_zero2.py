@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import dcp_roundtrip
 from ranks import report, spawn_ranks
 from test_zero import same_state  # noqa: E402  (one definition of the state comparison)
 
@@ -184,7 +185,6 @@ def dcp_case_model(label):
 def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
     """phase "save": train DCP_STEPS, save ZeRO's state with DCP and (rank 0) the unsharded reference.
     phase "load": a new ZeRO of this world size loads it and both continue DCP_STEPS."""
-    import torch.distributed.checkpoint as dcp
     import optfuse.torch as oft
     from optfuse.torch.distributed import ZeRO
     init(rank, world, init_file)
@@ -195,17 +195,12 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
         ref_model = copy.deepcopy(model)
         start = 0
         if phase == "load":
-            saved = torch.load(ckpt + ".ref.pt")
-            model.load_state_dict(saved["model"])
-            ref_model.load_state_dict(saved["model"])
+            saved = dcp_roundtrip.load_weights(ckpt, model, ref_model)
             start = DCP_STEPS
         zero = ZeRO(make_opt(oft, name, model.parameters(), kw), stage=2)
         ref = make_opt(oft, name, ref_model.parameters(), kw)
         if phase == "load":
-            ref.load_state_dict(saved["ref"])
-            sd = zero.sharded_state_dict(like=dcp.FileSystemReader(ckpt).read_metadata())
-            dcp.load(sd, checkpoint_id=ckpt)
-            zero.load_sharded_state_dict(sd)
+            dcp_roundtrip.load_optimizers(ckpt, zero, ref, saved)
             out[label + " loaded"] = same_state(zero.state_dict()["state"], saved["ref"]["state"])
         for s in range(start, start + DCP_STEPS):
             zero.zero_grad()
@@ -217,10 +212,7 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
         out[label] = dict(params_equal=equal_params(model, ref_model),
                           state_equal=same_state(zero.state_dict()["state"], ref.state_dict()["state"]))
         if phase == "save":
-            dcp.save(zero.sharded_state_dict(), checkpoint_id=ckpt)
-            if rank == 0:
-                torch.save({"model": model.state_dict(), "ref": ref.state_dict()}, ckpt + ".ref.pt")
-            dist.barrier()
+            dcp_roundtrip.save(ckpt, zero, ref, model, rank)
     report(out_dir, rank, out)
 
 

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import pytest
 import torch
+import dcp_roundtrip
 from ranks import report, spawn_ranks
 
 dist = pytest.importorskip("torch.distributed")
@@ -140,7 +141,6 @@ DCP_STEPS = 4
 def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
     """phase "save": train DCP_STEPS, save ZeRO's state with DCP and (rank 0) the unsharded reference.
     phase "load": a new ZeRO of this world size loads it and both continue DCP_STEPS."""
-    import torch.distributed.checkpoint as dcp
     import optfuse.torch as oft
     from optfuse.torch.distributed import ZeRO
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -152,16 +152,11 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
         ref_model = copy.deepcopy(model)
         start = 0
         if phase == "load":
-            saved = torch.load(ckpt + ".ref.pt")
-            model.load_state_dict(saved["model"])
-            ref_model.load_state_dict(saved["model"])
+            saved = dcp_roundtrip.load_weights(ckpt, model, ref_model)
             start = DCP_STEPS
         zero, ref = ZeRO(make(oft, label, model)), make(oft, label, ref_model)
         if phase == "load":
-            ref.load_state_dict(saved["ref"])
-            sd = zero.sharded_state_dict(like=dcp.FileSystemReader(ckpt).read_metadata())
-            dcp.load(sd, checkpoint_id=ckpt)
-            zero.load_sharded_state_dict(sd)
+            dcp_roundtrip.load_optimizers(ckpt, zero, ref, saved)
             out[label + " loaded"] = same(zero.state_dict()["state"], saved["ref"]["state"])
         before = [p.detach().clone() for p in model.parameters()]
         for s in range(start, start + DCP_STEPS):
@@ -172,10 +167,7 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
                           state_equal=same(zero.state_dict()["state"], ref.state_dict()["state"]),
                           moved=any(not torch.equal(p, b) for p, b in zip(model.parameters(), before)))
         if phase == "save":
-            dcp.save(zero.sharded_state_dict(), checkpoint_id=ckpt)
-            if rank == 0:
-                torch.save({"model": model.state_dict(), "ref": ref.state_dict()}, ckpt + ".ref.pt")
-            dist.barrier()
+            dcp_roundtrip.save(ckpt, zero, ref, model, rank)
     report(out_dir, rank, out)
 
 

@@ -692,18 +692,12 @@ class ZeRO(torch.optim.Optimizer):
                         out[f"state.{i}.{k}"] = sharded(i, v.view(-1), v.dtype)
                     else:
                         out[f"state.{i}.{k}"] = v
-            out["param_groups"] = _to_bytes([{k: v for k, v in g.items() if k != "params"}
-                                             for g in self._inner.param_groups])
-            out["param_numels"] = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-            return out
+            return dict(out, **self._checkpoint_header(params))
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         for key, md in like.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata):
                 out[key] = None  # a Python value: DCP puts the saved object here
-            elif key.startswith("state.") and int(key.split(".")[1]) >= len(params):
-                raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter "
-                                   f"{key.split('.')[1]}, this optimizer has {len(params)} parameters")
-            elif key.startswith("state.") and list(md.size) == [params[int(key.split(".")[1])].numel()]:
+            elif key.startswith("state.") and list(md.size) == [params[self._state_index(key, params)].numel()]:
                 i = int(key.split(".")[1])
                 pc = self._mine[i]
                 out[key] = sharded(i, torch.empty(pc.end - pc.begin, dtype=md.properties.dtype, device=device),
@@ -725,25 +719,33 @@ class ZeRO(torch.optim.Optimizer):
             for i in sorted(owned):
                 for k, v in (self._inner.state.get(params[i]) or {}).items():
                     out[f"state.{i}.{k}"] = v
-            out["param_groups"] = _to_bytes([{k: v for k, v in g.items() if k != "params"}
-                                             for g in self._inner.param_groups])
-            out["param_numels"] = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-            return out
+            return dict(out, **self._checkpoint_header(params))
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
         for key, md in like.state_dict_metadata.items():
-            if key.startswith("state."):
-                i = int(key.split(".")[1])
-                if i >= len(params):
-                    raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter {i}, this "
-                                       f"optimizer has {len(params)} parameters")
-                if i not in owned:
-                    continue  # another rank's matrix now
+            if key.startswith("state.") and self._state_index(key, params) not in owned:
+                continue  # another rank's matrix now
             if not isinstance(md, TensorStorageMetadata):
                 out[key] = None  # a Python value: DCP puts the saved object here
             else:  # a state tensor (on the parameters' device; a 0-dim step count on the CPU, as torch keeps it)
                 device = self._device if key.startswith("state.") and len(md.size) > 0 else "cpu"
                 out[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
         return out
+
+    def _checkpoint_header(self, params):
+        """The entries of a sharded checkpoint every rank writes alike: the groups' options (without
+        "params") and each parameter's size (checked at load)."""
+        return {"param_groups": _to_bytes([{k: v for k, v in g.items() if k != "params"}
+                                           for g in self._inner.param_groups]),
+                "param_numels": torch.tensor([p.numel() for p in params], dtype=torch.int64)}
+
+    @staticmethod
+    def _state_index(key, params):
+        """The parameter index i of a checkpoint's "state.<i>.<key>" entry, checked against `params`."""
+        i = int(key.split(".")[1])
+        if i >= len(params):
+            raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter {i}, this optimizer "
+                               f"has {len(params)} parameters")
+        return i
 
     @staticmethod
     def _per_element(pc, v):
