@@ -29,3 +29,16 @@ def save(ckpt, zero, ref, model, rank):
     if rank == 0:
         torch.save({"model": model.state_dict(), "ref": ref.state_dict()}, ckpt + ".ref.pt")
     dist.barrier()
+
+
+def run(worker, saved_by, loaded_by, tmp_path):
+    """worker(rank, world, init_file, out_dir, phase, ckpt_dir) on `saved_by` ranks ("save"), then on
+    `loaded_by` ranks ("load"); yields (phase, rank, that rank's report)."""
+    from ranks import spawn_ranks
+    ckpt_dir = tmp_path / "ckpt"
+    ckpt_dir.mkdir()
+    saved = spawn_ranks(worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
+    loaded = spawn_ranks(worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
+    for phase, results in (("save", saved), ("load", loaded)):
+        for rank, res in enumerate(results):
+            yield phase, rank, res

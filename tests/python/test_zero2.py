@@ -336,16 +336,11 @@ def test_zero2_buckets_sent_during_backward_are_bitwise_the_unsharded_optimizer(
 
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 1), (2, 3), (3, 2), (2, 2)])
 def test_dcp_checkpoint_reshards_and_training_continues_bitwise(saved_by, loaded_by, tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    ckpt_dir.mkdir()
-    saved = spawn_ranks(dcp_worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
-    loaded = spawn_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
-    for phase, results in (("save", saved), ("load", loaded)):
-        for rank, res in enumerate(results):
-            for label, _, _ in DCP_CASES:
-                assert res[label] == dict(params_equal=True, state_equal=True), (phase, rank, label, res[label])
-                if phase == "load":
-                    assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
+    for phase, rank, res in dcp_roundtrip.run(dcp_worker, saved_by, loaded_by, tmp_path):
+        for label, _, _ in DCP_CASES:
+            assert res[label] == dict(params_equal=True, state_equal=True), (phase, rank, label, res[label])
+            if phase == "load":
+                assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
 
 
 def mismatch_worker(rank, world, init_file, out_dir, ckpt):

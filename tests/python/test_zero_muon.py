@@ -173,16 +173,11 @@ def dcp_worker(rank, world, init_file, out_dir, phase, ckpt_dir):
 
 @pytest.mark.parametrize("saved_by,loaded_by", [(2, 1), (2, 3), (3, 2)])
 def test_dcp_checkpoint_of_muon_reshards_and_training_continues_bitwise(saved_by, loaded_by, tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    ckpt_dir.mkdir()
-    saved = spawn_ranks(dcp_worker, saved_by, tmp_path / "save", "save", str(ckpt_dir))
-    loaded = spawn_ranks(dcp_worker, loaded_by, tmp_path / "load", "load", str(ckpt_dir))
-    for phase, results in (("save", saved), ("load", loaded)):
-        for rank, res in enumerate(results):
-            for label in LABELS:
-                assert res[label] == dict(params_equal=True, state_equal=True, moved=True), (phase, rank, label, res[label])
-                if phase == "load":
-                    assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
+    for phase, rank, res in dcp_roundtrip.run(dcp_worker, saved_by, loaded_by, tmp_path):
+        for label in LABELS:
+            assert res[label] == dict(params_equal=True, state_equal=True, moved=True), (phase, rank, label, res[label])
+            if phase == "load":
+                assert res[label + " loaded"] is True, (rank, label, "the loaded state is not the saved one")
 
 
 def averaged(grads, world):
