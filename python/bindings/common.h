@@ -23,5 +23,7 @@ void bind_rules(nb::module_& m);
 void bind_optimizer(nb::module_& m);
 // _set_torch_exchange: torch.Tensor's DLPack C exchange API (dlpack_exchange.cpp).
 void bind_dlpack_exchange(nb::module_& m);
+// NewtonSchulz, the matrix phase, and gemm_available (matrix.cpp).
+void bind_matrix(nb::module_& m);
 
 }  // namespace optfuse::py

@@ -6,7 +6,8 @@
 // Files: module.cpp (this: the module, its errors), rules.cpp (Expr and RuleBuilder for rules
 // written in Python; Range, Rule, chains, built-ins; plans and explain), optimizer.cpp (Optimizer;
 // GradWatch, the per-step check of the torch front end), dlpack_exchange.cpp (torch.Tensor's DLPack
-// C exchange API, which GradWatch reads gradients through).
+// C exchange API, which GradWatch reads gradients through), matrix.cpp (NewtonSchulz, the matrix
+// phase of Muon).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
@@ -70,6 +71,7 @@ NB_MODULE(_core, m) {
   optfuse::py::bind_rules(m);
   optfuse::py::bind_optimizer(m);
   optfuse::py::bind_dlpack_exchange(m);
+  optfuse::py::bind_matrix(m);
   m.def("chunk_elements", [](const std::string& backend) { return chunk_elements(parse_backend(backend)); }, "backend"_a,
         "Elements per chunk of a backend: the unit of partial sums, so of shard cuts.");
   m.def("parse_dtype", [](const std::string& s) { return static_cast<int>(parse_dtype(s)); }, "name"_a);

@@ -210,10 +210,11 @@ std::string CPrinter::header_comment() const {
   return s.str();
 }
 
-std::string CPrinter::prelude() const {
-  return std::string("#define OF_FN ") + d_.fn_qualifier + "\n" + d_.extra_prelude + kCommonPrelude +
-         low_precision_source();
+std::string dialect_prelude(const Dialect& d) {
+  return std::string("#define OF_FN ") + d.fn_qualifier + "\n" + d.extra_prelude + kCommonPrelude;
 }
+
+std::string CPrinter::prelude() const { return dialect_prelude(d_) + low_precision_source(); }
 
 std::string CPrinter::element_function(size_t phase) const {
   const ElementPhase& ph = plan_.phases.at(phase);

@@ -45,6 +45,10 @@ struct Dialect {
 
 const Dialect& cpu_dialect();
 const Dialect& cuda_dialect();
+// OF_FN, the dialect's own helpers and the shared ones (min/max with NaN, lerp, bf16/f16
+// conversions...): what any source in the dialect may build on, plan or not (the matrix phase's
+// kernels use it too).
+std::string dialect_prelude(const Dialect& d);
 
 class CPrinter {
  public:

@@ -1,8 +1,8 @@
 """optfuse.torch.Muon (drop-in for torch.optim.Muon) and MuonWithAuxAdam (Muon for the groups marked
 use_muon=True, optfuse AdamW for the others, one step()).
 
-A Muon step is the schedule of issue 12, built here in Python on top of the existing engine (the
-C++ core has no matrix phase yet):
+A Muon step is three steps of the core, run in order from here: an element-wise pass, the core's
+matrix phase, an element-wise pass:
 
   (a) momentum pass: one fused optfuse element-wise launch over every Muon parameter of a device
       and dtype (rule `muon_momentum`, written in Python below):
@@ -15,12 +15,13 @@ C++ core has no matrix phase yet):
       writes the batch directly, no stacking copy.
   (b) matrix phase: Newton-Schulz in bfloat16 as torch.optim.Muon computes it (convert to bf16,
       transpose tall matrices, divide by the Frobenius norm clamped to eps, ns_steps quintic
-      iterations with ns_coefficients), but batched over the B matrices of a bucket with
-      torch.bmm / torch.baddbmm (cuBLAS strided-batched GEMMs on the GPU, torch's BLAS on the CPU;
-      no GEMM of our own). The bf16 result is converted back into the scratch buffer with
-      copy_ (exact for float32 and bfloat16 parameters): the engine takes one dtype per tensor,
-      so a bf16 update cannot be read next to a float32 parameter; this conversion is a torch op
-      until the core has a matrix phase of its own.
+      iterations with ns_coefficients), batched over the B matrices of a bucket and run in place on
+      the scratch by the core (optfuse._core.NewtonSchulz, include/optfuse/newton_schulz.h): cuBLAS
+      strided-batched bf16 GEMMs on the GPU (no transposition copied), OpenBLAS on the CPU, its own
+      small kernels for the norms and conversions; no GEMM of our own. The bf16 result lands in the
+      scratch in its dtype (exact for float32 and bfloat16). torch's use_addmm=False form (older
+      torch), and machines where no GEMM library loads, use newton_schulz_batched below
+      (torch.bmm / baddbmm) instead.
   (c) apply pass: one fused launch per device and dtype (rule `muon_apply`):
           p <- fma(u, -adjusted_lr, p * (1 - lr * weight_decay))
       which is how torch rounds `p.mul_(1 - lr*wd); p.add_(u, alpha=-adjusted_lr)` (torch's add
@@ -29,12 +30,14 @@ C++ core has no matrix phase yet):
       group, lr ratio): computed in Python exactly as torch computes it (lr * ratio in float64),
       so no extra rounding is introduced by folding it elsewhere.
 
-So a step is 2 element-wise launches plus 5 + 4 * ns_steps batched torch ops per bucket (a
-GPT-2-small model has 4 buckets, Llama-1B-like shapes 4), instead of torch's dozen kernels and
-15 matrix products per parameter.
+So a step is 2 element-wise launches plus, per bucket, 4 small kernels and 3 * ns_steps batched
+GEMMs (and 2 * ns_steps device copies: a cuBLAS GEMM reads C where it writes it); a GPT-2-small
+model has 4 buckets, Llama-1B-like shapes 4, instead of torch's dozen kernels and 15 matrix
+products per parameter.
 """
 import collections
 import math
+import os
 import struct
 
 import torch
@@ -193,17 +196,47 @@ def _torch_muon_defaults(kwargs):
     return dict(kwargs)
 
 
+def _matrix_phase_engine(device):
+    """'core' when the core's matrix phase (optfuse._core.NewtonSchulz: cuBLAS on CUDA, OpenBLAS on the
+    CPU) can run on this device type, else 'torch' (batched torch.bmm / baddbmm). OPTFUSE_MUON_MATMUL
+    = core | torch forces one (benchmarks compare the two)."""
+    forced = os.environ.get("OPTFUSE_MUON_MATMUL", "")
+    if forced in ("core", "torch"):
+        return forced
+    if forced:
+        raise OptfuseError(f"OPTFUSE_MUON_MATMUL must be 'core' or 'torch', got {forced!r}")
+    if device.type not in _GEMM_AVAILABLE:
+        _GEMM_AVAILABLE[device.type] = _core.gemm_available(device.type)[0]
+    return "core" if _GEMM_AVAILABLE[device.type] else "torch"
+
+
+_GEMM_AVAILABLE = {}
+
+
 class _Bucket:
     """Same-shape matrices of one device and dtype with the same Newton-Schulz settings: their
-    scratch is one (B, m, n) tensor, orthogonalised together."""
+    scratch is one (B, m, n) tensor, orthogonalised together, in place: by the core's matrix phase
+    (one NewtonSchulz per bucket, its bf16 work buffers kept from step to step), or, for torch's
+    use_addmm=False form and where no GEMM library loads, by newton_schulz_batched."""
 
     def __init__(self, device, dtype, shape, ns, count):
         self.ns = ns  # (coefficients, steps, eps, use_addmm)
         self.scratch = torch.empty((count,) + tuple(shape), dtype=dtype, device=device)
+        coefficients, steps, eps, use_addmm = ns
+        self.core = None
+        if use_addmm and _matrix_phase_engine(device) == "core":
+            self.core = _core.NewtonSchulz(device.type, dtype_code(self.scratch), count, shape[0], shape[1],
+                                           tuple(coefficients), steps, eps)
 
     def orthogonalise(self):
-        coefficients, steps, eps, use_addmm = self.ns
-        self.scratch.copy_(newton_schulz_batched(self.scratch, coefficients, steps, eps, use_addmm))
+        if self.core is None:
+            coefficients, steps, eps, use_addmm = self.ns
+            self.scratch.copy_(newton_schulz_batched(self.scratch, coefficients, steps, eps, use_addmm))
+        elif self.scratch.is_cuda:
+            with torch.cuda.device(self.scratch.device):
+                self.core.run(self.scratch.data_ptr(), torch.cuda.current_stream().cuda_stream)
+        else:
+            self.core.run(self.scratch.data_ptr())
 
 
 class Muon(torch.optim.Optimizer):

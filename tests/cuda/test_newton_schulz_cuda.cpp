@@ -1,0 +1,114 @@
+// The matrix phase on CUDA (cuBLAS bf16 GEMMs and our norm/scale/store kernels): the kernels compile
+// with NVRTC anywhere; on a GPU the results agree with the CPU path within bf16 rounding (the GEMM
+// libraries sum in other orders), repeat bitwise, and a tall matrix is the wide one transposed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "cuda/require_cuda.h"
+#include "matrix/newton_schulz_impl.h"
+#include "optfuse/dtype.h"
+#include "optfuse/newton_schulz.h"
+#include "runtime/cuda_api.h"
+
+namespace {
+
+namespace cu = optfuse::cuda;
+using optfuse::Backend;
+using optfuse::DType;
+using optfuse::NewtonSchulz;
+
+TEST(NewtonSchulzCuda, KernelsCompileWithNvrtc) {
+  REQUIRE_NVRTC();
+  cu::CompileResult r = cu::compile(optfuse::newton_schulz_cuda_source(), "newton_schulz_test", 90);
+  EXPECT_FALSE(r.cubin.empty());
+  for (const char* k : {"of_ns_partials", "of_ns_norms", "of_ns_scale", "of_ns_store"}) {
+    auto res = cu::resources_from_cubin(r.cubin, k);
+    ASSERT_TRUE(res.has_value()) << k;
+    EXPECT_EQ(res->local_bytes, 0) << k << " spills";
+  }
+}
+
+#define REQUIRE_CUBLAS()                                                        \
+  do {                                                                          \
+    REQUIRE_GPU();                                                              \
+    std::string why_;                                                           \
+    if (!optfuse::gemm_available(Backend::cuda, &why_)) GTEST_SKIP() << why_;   \
+    if (!optfuse::gemm_available(Backend::cpu, &why_)) GTEST_SKIP() << why_;    \
+  } while (0)
+
+std::vector<float> random_matrix(size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(gen);
+  return v;
+}
+
+// Runs the batch through NewtonSchulz on the GPU (float32 storage) and returns it.
+std::vector<float> on_gpu(const std::vector<float>& host, optfuse::MatrixBatchShape shape, int runs = 1) {
+  cu::Stream stream;
+  cu::DeviceBuffer d(host.size() * 4);
+  NewtonSchulz ns(Backend::cuda, shape);
+  std::vector<float> out(host.size());
+  for (int r = 0; r < runs; ++r) {
+    cu::copy_to_device(d.ptr(), host.data(), host.size() * 4, stream.get());
+    ns.run(reinterpret_cast<void*>(d.ptr()), stream.get());
+  }
+  cu::copy_to_host(out.data(), d.ptr(), out.size() * 4, stream.get());
+  return out;
+}
+
+double largest_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double w = 0;
+  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, double(std::fabs(a[i] - b[i])));
+  return w;
+}
+
+TEST(NewtonSchulzCuda, AgreesWithTheCpuPathWithinBf16Rounding) {
+  REQUIRE_CUBLAS();
+  for (auto [b, r, c] : {std::tuple{3, 64, 96}, std::tuple{2, 160, 48}, std::tuple{1, 768, 768}}) {
+    optfuse::MatrixBatchShape shape{DType::f32, b, r, c};
+    std::vector<float> m = random_matrix(size_t(b) * r * c, 7), cpu = m;
+    std::vector<float> gpu = on_gpu(m, shape);
+    NewtonSchulz(Backend::cpu, shape).run(cpu.data());
+    const double w = largest_difference(gpu, cpu);
+    std::printf("%d x %d x %d: largest GPU-CPU difference %.3g\n", b, r, c, w);
+    // Entries are O(1/sqrt(min side)); a few bf16 ulps of them, carried through five iterations.
+    EXPECT_LT(w, 16.0 / 256 / std::sqrt(double(std::min(r, c)))) << b << "x" << r << "x" << c;
+  }
+}
+
+TEST(NewtonSchulzCuda, RepeatsBitwiseAndTallIsWideTransposed) {
+  REQUIRE_CUBLAS();
+  const int r = 96, c = 40;
+  std::vector<float> tall = random_matrix(size_t(r) * c, 8), wide(tall.size());
+  for (int i = 0; i < r; ++i)
+    for (int j = 0; j < c; ++j) wide[size_t(j) * r + i] = tall[size_t(i) * c + j];
+  std::vector<float> once = on_gpu(tall, {DType::f32, 1, r, c}), again = on_gpu(tall, {DType::f32, 1, r, c}, 3);
+  ASSERT_EQ(once, again) << "a repeated run differs";
+  std::vector<float> w = on_gpu(wide, {DType::f32, 1, c, r}), back(w.size());
+  for (int i = 0; i < r; ++i)
+    for (int j = 0; j < c; ++j) back[size_t(i) * c + j] = w[size_t(j) * r + i];
+  EXPECT_LT(largest_difference(once, back), 16.0 / 256 / std::sqrt(double(c)));
+}
+
+TEST(NewtonSchulzCuda, Bf16StorageHoldsTheSameValuesAsFloat32) {
+  REQUIRE_CUBLAS();
+  const int b = 2, r = 32, c = 80;
+  std::vector<float> m = random_matrix(size_t(b) * r * c, 9);
+  std::vector<uint16_t> h(m.size());
+  for (size_t i = 0; i < m.size(); ++i) h[i] = optfuse::float_to_bf16_bits(m[i]);
+  std::vector<float> f32 = on_gpu(m, {DType::f32, b, r, c});
+  cu::Stream stream;
+  cu::DeviceBuffer d(h.size() * 2);
+  cu::copy_to_device(d.ptr(), h.data(), h.size() * 2, stream.get());
+  NewtonSchulz(Backend::cuda, {DType::bf16, b, r, c}).run(reinterpret_cast<void*>(d.ptr()), stream.get());
+  cu::copy_to_host(h.data(), d.ptr(), h.size() * 2, stream.get());
+  for (size_t i = 0; i < h.size(); ++i) ASSERT_EQ(optfuse::bf16_bits_to_float(h[i]), f32[i]) << i;
+}
+
+}  // namespace
