@@ -6,8 +6,9 @@ Per workload and optimizer: float32 parameters, a new gradient tensor for every 
 step (alternating between two preallocated sets: the loop users write), time of opt.step() (CUDA
 events on a GPU, perf_counter on the CPU), median of --steps steps after --warmup. Also reported:
 
-* the matrix phase alone (optfuse's batched Newton-Schulz over every bucket) and, per bucket of the
-  largest shapes, its achieved TFLOP/s and its fraction of --peak-tflops (H200 dense bf16 tensor
+* the matrix phase alone (optfuse's batched Newton-Schulz over every bucket: the core's, cuBLAS or
+  OpenBLAS) and, per bucket, its achieved TFLOP/s against torch.bmm/baddbmm on the same batch and
+  torch's per-matrix function and its fraction of --peak-tflops (H200 dense bf16 tensor
   core rate: 989 TFLOP/s by NVIDIA's datasheet). FLOPs per matrix with k = min(m, n), l = max(m, n)
   (the iteration runs on the k x l orientation): per Newton-Schulz step X X^T is 2 k^2 l, G G is
   2 k^3, U X is 2 k^2 l, so ns_steps * (4 k^2 l + 2 k^3); the normalisation and the element-wise
@@ -36,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
 
 import optfuse.torch as oft  # noqa: E402
+from optfuse.torch._muon import newton_schulz_batched  # noqa: E402
 
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
 
@@ -147,9 +149,14 @@ def bench_workload(name, args, device):
             from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
             mats = list(b.scratch)
             t_torch = median_time(timer, lambda: [torch_ns(m, *NS) for m in mats], args.steps, args.warmup)
+            # the same batch through torch.bmm / baddbmm (the matrix phase before the core had one)
+            t_bmm = median_time(timer, lambda: b.scratch.copy_(newton_schulz_batched(b.scratch, *NS)),
+                                args.steps, args.warmup)
             buckets.append({"shape": shape, "matrices": count, "flops": flops, "optfuse_us": t,
+                            "engine": "core" if b.core is not None else "torch",
                             "optfuse_tflops": flops / (t * 1e-6) / 1e12, "torch_per_matrix_us": t_torch,
-                            "torch_per_matrix_tflops": flops / (t_torch * 1e-6) / 1e12})
+                            "torch_per_matrix_tflops": flops / (t_torch * 1e-6) / 1e12,
+                            "torch_batched_us": t_bmm, "torch_batched_tflops": flops / (t_bmm * 1e-6) / 1e12})
         buckets.sort(key=lambda x: -x["flops"])
         for bk in buckets:
             bk["optfuse_fraction_of_peak"] = bk["optfuse_tflops"] / args.peak_tflops
@@ -186,10 +193,10 @@ def main():
                 f"passes {r.get('momentum_pass_us', float('nan')):.0f} + {r.get('matrix_phase_us', float('nan')):.0f} "
                 f"+ {r.get('apply_pass_us', float('nan')):.0f} us; max|dp| {r['max_abs_param_diff']:.3g}")
         print(line)
-        for bk in r.get("buckets", [])[:2]:
-            print(f"  NS {bk['matrices']} x {bk['shape']}: optfuse {bk['optfuse_tflops']:.2f} TFLOP/s "
-                  f"({100 * bk['optfuse_fraction_of_peak']:.1f}% of {args.peak_tflops:g}), torch per matrix "
-                  f"{bk['torch_per_matrix_tflops']:.2f} TFLOP/s")
+        for bk in r.get("buckets", []):
+            print(f"  NS {bk['matrices']} x {bk['shape']}: optfuse ({bk['engine']}) {bk['optfuse_tflops']:.2f} TFLOP/s "
+                  f"({100 * bk['optfuse_fraction_of_peak']:.1f}% of {args.peak_tflops:g}), torch batched bmm "
+                  f"{bk['torch_batched_tflops']:.2f}, torch per matrix {bk['torch_per_matrix_tflops']:.2f} TFLOP/s")
         for k in ("torch_error", "optfuse_error", "phases_error"):
             if k in r:
                 print(r[k])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing optfuse needs, skipping what is already there:
-# Debian packages (compiler, CMake, Ninja, GoogleTest) and Python packages (build tools, numpy,
+# Debian packages (compiler, CMake, Ninja, GoogleTest, OpenBLAS) and Python packages (build tools, numpy,
 # pytest, matplotlib, torch, expecttest: torch's optim_db, which the tests run, imports it). The
 # CUDA toolkit (headers and NVRTC) is expected at /usr/local/cuda or on PATH; no GPU is needed to
 # build or to run the CPU tests.
@@ -11,6 +11,8 @@ command -v g++ >/dev/null || missing+=(g++)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v ninja >/dev/null || missing+=(ninja-build)
 [ -f /usr/include/gtest/gtest.h ] || missing+=(libgtest-dev)
+# OpenBLAS: the CPU products of Muon's matrix phase (loaded at run time; src/matrix/gemm_libraries.h).
+{ /sbin/ldconfig -p 2>/dev/null || ldconfig -p 2>/dev/null || true; } | grep -q 'libopenblas\.so\.0' || missing+=(libopenblas0)
 command -v python3 >/dev/null || missing+=(python3 python3-pip python3-venv python3-dev)
 # The extension needs Python's headers (a Debian python3 has them in python3-dev).
 if command -v python3 >/dev/null &&

@@ -41,6 +41,21 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
 TorchMuon = getattr(torch.optim, "Muon", None)
 pytestmark = pytest.mark.skipif(TorchMuon is None, reason=f"torch {torch.__version__} has no torch.optim.Muon")
 
+@pytest.fixture(autouse=True, params=["core", "torch"])
+def matrix_phase(request, monkeypatch):
+    """Every test runs with each matrix phase Muon can take: the core's (optfuse._core.NewtonSchulz:
+    cuBLAS, OpenBLAS on the CPU; the default on CUDA) and torch's batched bmm (the default on the CPU)."""
+    if request.param == "core":
+        from optfuse import _core
+        params = getattr(request.node, "callspec", None)
+        device = str(params.params.get("device", "cpu")) if params else "cpu"
+        ok, why = _core.gemm_available("cuda" if device.startswith("cuda") else "cpu")
+        if not ok and not (device.startswith("cuda") and not HAS_CUDA):  # (CUDA tests skip below anyway)
+            pytest.skip(f"the core's matrix phase cannot run on {device} here: {why}")
+    monkeypatch.setenv("OPTFUSE_MUON_MATMUL", request.param)
+    return request.param
+
+
 STEPS = 10
 NS_ABS = 1e-2           # see the module docstring
 FEEDBACK = 2            # likewise

@@ -16,12 +16,12 @@ matrix phase, an element-wise pass:
   (b) matrix phase: Newton-Schulz in bfloat16 as torch.optim.Muon computes it (convert to bf16,
       transpose tall matrices, divide by the Frobenius norm clamped to eps, ns_steps quintic
       iterations with ns_coefficients), batched over the B matrices of a bucket and run in place on
-      the scratch by the core (optfuse._core.NewtonSchulz, include/optfuse/newton_schulz.h): cuBLAS
-      strided-batched bf16 GEMMs on the GPU (no transposition copied), OpenBLAS on the CPU, its own
-      small kernels for the norms and conversions; no GEMM of our own. The bf16 result lands in the
-      scratch in its dtype (exact for float32 and bfloat16). torch's use_addmm=False form (older
-      torch), and machines where no GEMM library loads, use newton_schulz_batched below
-      (torch.bmm / baddbmm) instead.
+      the scratch. On CUDA by the core (optfuse._core.NewtonSchulz, include/optfuse/newton_schulz.h):
+      cuBLAS strided-batched bf16 GEMMs (no transposition copied) and four small kernels of its own
+      for the norms and conversions. On the CPU by torch.bmm / baddbmm (newton_schulz_batched
+      below), whose bf16 products beat the core's OpenBLAS path there (_matrix_phase_engine). No
+      GEMM of our own either way. The bf16 result lands in the scratch in its dtype (exact for
+      float32 and bfloat16).
   (c) apply pass: one fused launch per device and dtype (rule `muon_apply`):
           p <- fma(u, -adjusted_lr, p * (1 - lr * weight_decay))
       which is how torch rounds `p.mul_(1 - lr*wd); p.add_(u, alpha=-adjusted_lr)` (torch's add
@@ -197,14 +197,19 @@ def _torch_muon_defaults(kwargs):
 
 
 def _matrix_phase_engine(device):
-    """'core' when the core's matrix phase (optfuse._core.NewtonSchulz: cuBLAS on CUDA, OpenBLAS on the
-    CPU) can run on this device type, else 'torch' (batched torch.bmm / baddbmm). OPTFUSE_MUON_MATMUL
-    = core | torch forces one (benchmarks compare the two)."""
+    """Which matrix phase a bucket on `device` runs: 'core' (optfuse._core.NewtonSchulz) on CUDA
+    where cuBLAS loads; 'torch' (batched torch.bmm / baddbmm, newton_schulz_batched) on the CPU,
+    where torch's bf16 products (oneDNN, AMX where the CPU has it) ran 6x faster than the core's
+    OpenBLAS float32 sgemm on the development VM (docs/performance.md, "Muon's matrix phase in
+    the core"), and wherever no GEMM library loads. OPTFUSE_MUON_MATMUL = core | torch forces one
+    (tests run both; benchmarks compare them)."""
     forced = os.environ.get("OPTFUSE_MUON_MATMUL", "")
     if forced in ("core", "torch"):
         return forced
     if forced:
         raise OptfuseError(f"OPTFUSE_MUON_MATMUL must be 'core' or 'torch', got {forced!r}")
+    if device.type != "cuda":
+        return "torch"
     if device.type not in _GEMM_AVAILABLE:
         _GEMM_AVAILABLE[device.type] = _core.gemm_available(device.type)[0]
     return "core" if _GEMM_AVAILABLE[device.type] else "torch"
@@ -216,8 +221,9 @@ _GEMM_AVAILABLE = {}
 class _Bucket:
     """Same-shape matrices of one device and dtype with the same Newton-Schulz settings: their
     scratch is one (B, m, n) tensor, orthogonalised together, in place: by the core's matrix phase
-    (one NewtonSchulz per bucket, its bf16 work buffers kept from step to step), or, for torch's
-    use_addmm=False form and where no GEMM library loads, by newton_schulz_batched."""
+    (one NewtonSchulz per bucket, its bf16 work buffers kept from step to step) or by
+    newton_schulz_batched (_matrix_phase_engine says which; torch's use_addmm=False form always
+    takes the latter)."""
 
     def __init__(self, device, dtype, shape, ns, count):
         self.ns = ns  # (coefficients, steps, eps, use_addmm)
