@@ -62,6 +62,12 @@ std::vector<float> on_gpu(const std::vector<float>& host, optfuse::MatrixBatchSh
   return out;
 }
 
+double largest_entry(const std::vector<float>& a) {
+  double w = 0;
+  for (float x : a) w = std::max(w, double(std::fabs(x)));
+  return w;
+}
+
 double largest_difference(const std::vector<float>& a, const std::vector<float>& b) {
   double w = 0;
   for (size_t i = 0; i < a.size(); ++i) w = std::max(w, double(std::fabs(a[i] - b[i])));
@@ -75,10 +81,12 @@ TEST(NewtonSchulzCuda, AgreesWithTheCpuPathWithinBf16Rounding) {
     std::vector<float> m = random_matrix(size_t(b) * r * c, 7), cpu = m;
     std::vector<float> gpu = on_gpu(m, shape);
     NewtonSchulz(Backend::cpu, shape).run(cpu.data());
-    const double w = largest_difference(gpu, cpu);
-    std::printf("%d x %d x %d: largest GPU-CPU difference %.3g\n", b, r, c, w);
-    // Entries are O(1/sqrt(min side)); a few bf16 ulps of them, carried through five iterations.
-    EXPECT_LT(w, 16.0 / 256 / std::sqrt(double(std::min(r, c)))) << b << "x" << r << "x" << c;
+    const double w = largest_difference(gpu, cpu), top = largest_entry(cpu);
+    std::printf("%d x %d x %d: largest GPU-CPU difference %.3g (largest entry %.3g)\n", b, r, c, w, top);
+    // The libraries sum the products in other orders, so some bf16 roundings flip and five
+    // iterations carry them on: within 4 bf16 ulps of the largest entry (a bf16 ulp is 2^-7 to 2^-8
+    // of a value). Measured on the H200: 2.5 ulps at most (768 x 768).
+    EXPECT_LE(w, top / 32) << b << "x" << r << "x" << c;
   }
 }
 
@@ -93,7 +101,7 @@ TEST(NewtonSchulzCuda, RepeatsBitwiseAndTallIsWideTransposed) {
   std::vector<float> w = on_gpu(wide, {DType::f32, 1, c, r}), back(w.size());
   for (int i = 0; i < r; ++i)
     for (int j = 0; j < c; ++j) back[size_t(i) * c + j] = w[size_t(j) * r + i];
-  EXPECT_LT(largest_difference(once, back), 16.0 / 256 / std::sqrt(double(c)));
+  EXPECT_LE(largest_difference(once, back), largest_entry(back) / 32);  // as above
 }
 
 TEST(NewtonSchulzCuda, Bf16StorageHoldsTheSameValuesAsFloat32) {
