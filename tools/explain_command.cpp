@@ -6,6 +6,7 @@
 #include "codegen/abi.h"
 #include "codegen/cpu_source.h"
 #include "codegen/cuda_source.h"
+#include "codegen/explain.h"
 #include "commands.h"
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
@@ -18,34 +19,29 @@ int explain_command(const Argv& args) {
   if (o.positional.size() != 1) throw Error("explain takes one SPEC, e.g. optfuse explain \"adamw(lr=1e-3)\"");
   std::string backend = o.get("backend", "cpu");
   if (backend != "cpu" && backend != "cuda") throw Error("explain --backend must be cpu or cuda");
-  Plan plan = make_plan(parse_chain(o.positional[0]));
-
-  std::cout << "== chain\n" << plan.program.chain_text << "\n\n== passes\n";
-  for (const auto& line : plan.pass_log) std::cout << "  " << line << "\n";
-  std::cout << "\n== IR after passes\n" << print_ir(plan.program, &plan.kind) << "\n== plan\n" << plan.describe();
-  if (plan.matrix()) {  // no generated loop yet: say so instead of failing the whole explain
-    try {
-      require_generated_loops(plan, backend == "cuda" ? "CUDA" : "CPU");
-    } catch (const Error& e) {
-      std::cout << "\n== generated " << backend << " source\n(none: " << e.what() << ")\n";
-      return 0;
-    }
-  }
-  std::string source = backend == "cuda" ? generate_cuda_source(plan) : generate_cpu_source(plan);
-  if (!o.flag("no-source")) std::cout << "\n== generated " << backend << " source\n" << source;
+  const Chain chain = parse_chain(o.positional[0]);
+  std::cout << explain_text(chain, backend, !o.flag("no-source"));
   if (o.flag("compile")) {
     if (backend != "cuda") throw Error("--compile is for --backend cuda (the CPU source is compiled on first use)");
     int arch = std::stoi(o.get("arch", "90"));
-    cuda::CompileResult r = cuda::compile(source, "optfuse_explain", arch, {"--fmad=false"});
-    std::cout << "\n== NVRTC compile for sm_" << arch << ": " << r.cubin.size() << " bytes of cubin in "
-              << r.seconds << " s" << (r.from_cache ? " (from cache)" : "") << "\n";
-    for (const std::string& k : cuda_kernel_names(plan)) {
-      auto res = cuda::resources_from_cubin(r.cubin, k);
-      if (res)
-        std::cout << "  " << k << ": " << res->registers << " registers, " << res->local_bytes
-                  << " bytes local memory (spills), " << res->shared_bytes << " bytes shared\n";
-      else
-        std::cout << "  " << k << ": resource use not readable from the cubin\n";
+    for (const Plan& plan : explain_plans(chain)) {  // a matrix chain's two parts
+      try {
+        require_generated_loops(plan, "CUDA");
+      } catch (const Error& e) {
+        std::cout << "\n== NVRTC compile of " << plan.program.chain_text << ": none (" << e.what() << ")\n";
+        continue;
+      }
+      cuda::CompileResult r = cuda::compile(generate_cuda_source(plan), "optfuse_explain", arch, {"--fmad=false"});
+      std::cout << "\n== NVRTC compile of " << plan.program.chain_text << " for sm_" << arch << ": " << r.cubin.size()
+                << " bytes of cubin in " << r.seconds << " s" << (r.from_cache ? " (from cache)" : "") << "\n";
+      for (const std::string& k : cuda_kernel_names(plan)) {
+        auto res = cuda::resources_from_cubin(r.cubin, k);
+        if (res)
+          std::cout << "  " << k << ": " << res->registers << " registers, " << res->local_bytes
+                    << " bytes local memory (spills), " << res->shared_bytes << " bytes shared\n";
+        else
+          std::cout << "  " << k << ": resource use not readable from the cubin\n";
+      }
     }
   }
   return 0;

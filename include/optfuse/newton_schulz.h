@@ -20,7 +20,6 @@
 // The orthogonaliser owns its work buffers (made on its first run, on that run's stream) and
 // reuses them every step. See docs/architecture.md ("The matrix phase").
 #pragma once
-#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -30,12 +29,7 @@
 
 namespace optfuse {
 
-// torch.optim.Muon's defaults.
-struct NewtonSchulzOptions {
-  std::array<double, 3> coefficients{3.4445, -4.7750, 2.0315};  // (a, b, c)
-  int steps = 5;       // 0 <= steps < 100, as torch requires
-  double eps = 1e-7;   // the Frobenius norm is clamped to at least eps
-};
+// (NewtonSchulzOptions, torch.optim.Muon's settings, is in optfuse/rule.h: a matrix rule carries it.)
 
 // `batch` row-major rows x cols matrices, one after another, of float32, float16 or bfloat16.
 struct MatrixBatchShape {

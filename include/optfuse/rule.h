@@ -8,6 +8,7 @@
 //       .hyper("strength", 1.0, Range::non_negative())
 //       .update([](RuleBuilder& b) { return sign(b.update()) * b.hyper("strength"); });
 #pragma once
+#include <array>
 #include <functional>
 #include <map>
 #include <string>
@@ -59,6 +60,14 @@ struct UniformStateSpec {
   double init = 0;  // the value of a new group
 };
 
+// The settings of a Newton-Schulz orthogonalisation (the matrix phase of Muon; optfuse/newton_schulz.h
+// runs it), torch.optim.Muon's defaults.
+struct NewtonSchulzOptions {
+  std::array<double, 3> coefficients{3.4445, -4.7750, 2.0315};  // (a, b, c)
+  int steps = 5;       // 0 <= steps < 100, as torch requires
+  double eps = 1e-7;   // the Frobenius norm is clamped to at least eps
+};
+
 class RuleBuilder;
 
 class Rule {
@@ -79,6 +88,11 @@ class Rule {
   Rule& update(UpdateFn fn);
   // A note shown in `explain` (e.g. the boolean options the rule was built with).
   Rule& note(const std::string& text);
+  // Makes this a *matrix rule*: no update function; the incoming update of each tensor, a whole
+  // matrix (its TensorRef::cols view), is orthogonalised by Newton-Schulz. A chain with a matrix
+  // rule runs through MatrixChainOptimizer (optfuse/matrix_chain.h), which splits it there.
+  Rule& matrix_phase(const NewtonSchulzOptions& options);
+  const NewtonSchulzOptions* matrix_phase() const { return has_matrix_ ? &matrix_ : nullptr; }
 
   const std::string& name() const { return name_; }
   const std::vector<HyperSpec>& hypers() const { return hypers_; }
@@ -96,6 +110,8 @@ class Rule {
   std::vector<UniformStateSpec> uniform_states_;
   UpdateFn fn_;
   std::string notes_;
+  bool has_matrix_ = false;
+  NewtonSchulzOptions matrix_;
 };
 
 using Chain = std::vector<Rule>;

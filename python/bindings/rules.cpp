@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "codegen/cpu_source.h"
+#include "codegen/explain.h"
 #include "codegen/cuda_source.h"
 #include "optfuse/builtin_rules.h"
 #include "optfuse/error.h"
@@ -199,23 +200,6 @@ std::string generate_source(const Plan& plan, const std::string& backend) {
   if (backend == "cpu") return generate_cpu_source(plan);
   if (backend == "cuda") return generate_cuda_source(plan);
   throw Error("backend must be 'cpu' or 'cuda' for generated source, got '" + backend + "'");
-}
-
-// Exactly what `optfuse explain SPEC [--backend B] [--no-source]` prints (tools/explain_command.cpp).
-std::string explain_text(const Plan& plan, const std::string& backend, bool source) {
-  std::string src;
-  try {
-    src = generate_source(plan, backend);
-  } catch (const Error& e) {
-    if (!plan.matrix()) throw;
-    src = std::string("(none: ") + e.what() + ")\n";  // no generated loop yet: as the CLI says it
-  }
-  std::ostringstream o;
-  o << "== chain\n" << plan.program.chain_text << "\n\n== passes\n";
-  for (const auto& line : plan.pass_log) o << "  " << line << "\n";
-  o << "\n== IR after passes\n" << print_ir(plan.program, &plan.kind) << "\n== plan\n" << plan.describe();
-  if (source) o << "\n== generated " << backend << " source\n" << src;
-  return o.str();
 }
 
 }  // namespace
@@ -417,8 +401,7 @@ void bind_rules(nb::module_& m) {
       .def("__repr__", [](const Plan& p) { return "<optfuse.Plan " + p.program.chain_text + ">"; });
   m.def("make_plan", [](nb::handle c) { return make_plan(to_chain(c)); }, "chain"_a);
   m.def("explain", [](nb::handle c, const std::string& backend, bool source) {
-    if (backend != "cpu" && backend != "cuda") throw Error("explain: backend must be 'cpu' or 'cuda'");
-    return explain_text(make_plan(to_chain(c)), backend, source);
+    return explain_text(to_chain(c), backend, source);
   }, "chain"_a, "backend"_a = "cpu", "source"_a = true,
         "The text `optfuse explain` prints: the chain, passes, IR, plan and generated source.");
 }

@@ -8,6 +8,7 @@
 #include "rules/builtin_rules.h"
 #include "rules/factored_rules.h"
 #include "rules/layerwise_rules.h"
+#include "rules/muon_rules.h"
 #include "rules/suggest.h"
 #include "spec/spec_parser.h"
 
@@ -71,6 +72,24 @@ rules::LambOptions lamb_options(const Resolved& a) {
   o.always_adapt = a.flag("always_adapt");
   o.max_lr = a.num("max_lr");
   return o;
+}
+
+NewtonSchulzOptions ns_options(const Resolved& a) {
+  const std::vector<double>& c = a.v.at("ns_coefficients").pair;  // three numbers, as its default (checked)
+  const double steps = a.num("ns_steps");
+  if (steps != static_cast<int>(steps)) throw Error("ns_steps must be a whole number");
+  NewtonSchulzOptions o;
+  o.coefficients = {c[0], c[1], c[2]};
+  o.steps = static_cast<int>(steps);
+  o.eps = a.num("eps");
+  return o;
+}
+
+rules::MuonLrAdjust muon_lr_adjust(const Resolved& a) {
+  const double v = a.num("adjust_lr");
+  if (v != 0 && v != 1 && v != 2)
+    throw Error("adjust_lr must be 0 (original), 1 (match_rms_adamw) or 2 (spectral_unclamped)");
+  return static_cast<rules::MuonLrAdjust>(static_cast<int>(v));
 }
 
 // maximize (negate the gradient) and, where l2, L2 weight decay (add weight_decay * param), in
@@ -256,6 +275,27 @@ const std::map<std::string, Builtin>& registry() {
                                            a.num("t_beta3"), a.num("eps"))};
           if (a.num("weight_decay") != 0) c.push_back(rules::add_decayed_weights(a.num("weight_decay")));
           c.push_back(rules::scale_by_learning_rate(a.num("lr")));
+          return c;
+        }}},
+      // Muon (torch.optim.Muon) and its parts: a chain with a matrix phase, which
+      // MatrixChainOptimizer runs (optfuse/matrix_chain.h); adjust_lr: 0 original, 1
+      // match_rms_adamw, 2 spectral_unclamped (torch's adjust_lr_fn None/"original", ...).
+      {"scale_by_muon_momentum",
+       {{{"momentum", 0.95}, {"nesterov", true}},
+        [](const Resolved& a) { return Chain{rules::scale_by_muon_momentum(a.num("momentum"), a.flag("nesterov"))}; }}},
+      {"newton_schulz",
+       {{{"ns_coefficients", {3.4445, -4.7750, 2.0315}}, {"ns_steps", 5.0}, {"eps", 1e-7}},
+        [](const Resolved& a) { return Chain{rules::newton_schulz(ns_options(a))}; }}},
+      {"scale_by_muon_lr",
+       {{{"lr", 1e-3}, {"adjust_lr", 0.0}},
+        [](const Resolved& a) { return Chain{rules::scale_by_muon_lr(a.num("lr"), muon_lr_adjust(a))}; }}},
+      {"muon",
+       {{{"lr", 1e-3}, {"weight_decay", 0.1}, {"momentum", 0.95}, {"nesterov", true},
+         {"ns_coefficients", {3.4445, -4.7750, 2.0315}}, {"eps", 1e-7}, {"ns_steps", 5.0}, {"adjust_lr", 0.0}},
+        [](const Resolved& a) {
+          Chain c{rules::scale_by_muon_momentum(a.num("momentum"), a.flag("nesterov")), rules::newton_schulz(ns_options(a))};
+          if (a.num("weight_decay") != 0) c.push_back(rules::decoupled_weight_decay(a.num("lr"), a.num("weight_decay")));
+          c.push_back(rules::scale_by_muon_lr(a.num("lr"), muon_lr_adjust(a)));
           return c;
         }}},
       {"schedule_free_adamw",

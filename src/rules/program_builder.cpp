@@ -95,6 +95,7 @@ Rule& Rule::uniform_state(const std::string& name, double init) {
 }
 
 Rule& Rule::update(UpdateFn fn) {
+  if (has_matrix_) throw Error("rule " + name_ + ": a matrix rule has no update function");
   fn_ = std::move(fn);
   return *this;
 }
@@ -104,12 +105,29 @@ Rule& Rule::note(const std::string& text) {
   return *this;
 }
 
+Rule& Rule::matrix_phase(const NewtonSchulzOptions& options) {
+  if (fn_) throw Error("rule " + name_ + ": a matrix rule has no update function");
+  if (options.steps < 0 || options.steps >= 100)
+    throw Error("rule " + name_ + ": Newton-Schulz steps must be in [0, 100), got " + std::to_string(options.steps));
+  for (double c : options.coefficients)
+    if (!std::isfinite(c)) throw Error("rule " + name_ + ": Newton-Schulz coefficients must be finite");
+  if (!(options.eps >= 0) || !std::isfinite(options.eps))
+    throw Error("rule " + name_ + ": Newton-Schulz eps must be finite and >= 0");
+  has_matrix_ = true;
+  matrix_ = options;
+  return *this;
+}
+
 std::string Rule::signature() const {
   std::ostringstream s;
   s << name_ << "(";
   for (size_t i = 0; i < hypers_.size(); ++i)
     s << (i ? ", " : "") << hypers_[i].name << "=" << fmt_num(hypers_[i].value);
   if (!notes_.empty()) s << (hypers_.empty() ? "" : ", ") << notes_;
+  if (has_matrix_)
+    s << (hypers_.empty() && notes_.empty() ? "" : ", ") << "a=" << fmt_num(matrix_.coefficients[0])
+      << ", b=" << fmt_num(matrix_.coefficients[1]) << ", c=" << fmt_num(matrix_.coefficients[2])
+      << ", steps=" << matrix_.steps << ", eps=" << fmt_num(matrix_.eps);
   s << ")";
   return s.str();
 }
@@ -320,6 +338,10 @@ PrecisionSlots add_precision_states(Program& p, const Precision& prec) {
 
 Program build_program(const Chain& chain, const Precision& precision) {
   if (chain.empty()) throw Error("a chain needs at least one rule");
+  for (const Rule& r : chain)
+    if (r.matrix_phase())
+      throw Error("rule " + r.name() + " is a matrix phase (Newton-Schulz of whole matrices), which no element-wise "
+                  "program holds: run the chain with optfuse::MatrixChainOptimizer (optfuse/matrix_chain.h)");
   Program p;
   p.precision = precision;
   std::map<std::string, int> uses;

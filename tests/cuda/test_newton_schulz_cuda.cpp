@@ -10,7 +10,9 @@
 
 #include "cuda/require_cuda.h"
 #include "matrix/newton_schulz_impl.h"
+#include "optfuse/builtin_rules.h"
 #include "optfuse/dtype.h"
+#include "optfuse/matrix_chain.h"
 #include "optfuse/newton_schulz.h"
 #include "runtime/cuda_api.h"
 
@@ -117,6 +119,67 @@ TEST(NewtonSchulzCuda, Bf16StorageHoldsTheSameValuesAsFloat32) {
   NewtonSchulz(Backend::cuda, {DType::bf16, b, r, c}).run(reinterpret_cast<void*>(d.ptr()), stream.get());
   cu::copy_to_host(h.data(), d.ptr(), h.size() * 2, stream.get());
   for (size_t i = 0; i < h.size(); ++i) ASSERT_EQ(optfuse::bf16_bits_to_float(h[i]), f32[i]) << i;
+}
+
+TEST(NewtonSchulzCuda, MuonChainAgreesWithTheCpuOne) {
+  REQUIRE_CUBLAS();
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 96}, {96, 64}, {64, 96}, {32, 32}};
+  std::vector<std::vector<float>> p, g;
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    p.push_back(random_matrix(size_t(shapes[t].first * shapes[t].second), 20 + unsigned(t)));
+    for (float& x : p.back()) x *= 0.1f;
+  }
+  std::vector<std::vector<float>> cpu_p = p, cpu_buf, gpu_out(p.size());
+  for (auto& m : p) cpu_buf.emplace_back(m.size(), 0.0f);
+  const optfuse::Chain muon = optfuse::make_builtin("muon", {{"lr", 0.02}});
+  optfuse::MatrixChainOptimizer cpu(muon, Backend::cpu), gpu(muon, Backend::cuda);
+  cu::Stream stream;
+  std::vector<cu::DeviceBuffer> dp, dg, db;
+  std::vector<optfuse::TensorRef> cpu_refs, gpu_refs;
+  for (size_t t = 0; t < p.size(); ++t) {
+    const size_t n = p[t].size();
+    dp.emplace_back(n * 4);
+    dg.emplace_back(n * 4);
+    db.emplace_back(n * 4);
+    cu::copy_to_device(dp.back().ptr(), p[t].data(), n * 4, stream.get());
+    cu::memset_zero(db.back().ptr(), n * 4, stream.get());
+  }
+  for (int step = 0; step < 5; ++step) {
+    g.clear();
+    cpu_refs.clear();
+    gpu_refs.clear();
+    for (size_t t = 0; t < p.size(); ++t) {
+      const int64_t n = int64_t(p[t].size());
+      g.push_back(random_matrix(p[t].size(), 100 + unsigned(step * 10 + t)));
+      cu::copy_to_device(dg[t].ptr(), g[t].data(), size_t(n) * 4, stream.get());
+      optfuse::TensorRef c, d;
+      c.param = {cpu_p[t].data(), n, DType::f32};
+      c.grad = {g[t].data(), n, DType::f32};
+      c.states = {{cpu_buf[t].data(), n, DType::f32}};
+      c.cols = shapes[t].second;
+      d = c;
+      d.param.data = reinterpret_cast<void*>(dp[t].ptr());
+      d.grad.data = reinterpret_cast<void*>(dg[t].ptr());
+      d.states[0].data = reinterpret_cast<void*>(db[t].ptr());
+      cpu_refs.push_back(c);
+      gpu_refs.push_back(d);
+    }
+    cpu.set_tensors(cpu_refs);
+    gpu.set_tensors(gpu_refs);
+    cpu.step();
+    gpu.step({nullptr, nullptr, stream.get()});
+  }
+  double worst = 0;
+  for (size_t t = 0; t < p.size(); ++t) {
+    gpu_out[t].resize(p[t].size());
+    cu::copy_to_host(gpu_out[t].data(), dp[t].ptr(), p[t].size() * 4, stream.get());
+    worst = std::max(worst, largest_difference(gpu_out[t], cpu_p[t]));
+  }
+  std::printf("Muon chain, 5 steps, CUDA vs CPU: largest parameter difference %.3g\n", worst);
+  // per step at most lr * ratio (<= 1.23) * (4 bf16 ulps of entries <= ~0.5: 1.6e-2)
+  EXPECT_LE(worst, 5 * 0.02 * 1.23 * 1.6e-2);
+  EXPECT_GT(largest_difference(gpu_out[0], p[0]), 0.01) << "the parameters moved";
+  EXPECT_NE(gpu.describe().find("cuBLAS"), std::string::npos);
 }
 
 }  // namespace

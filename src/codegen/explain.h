@@ -1,0 +1,18 @@
+// What `optfuse explain SPEC` prints (tools/explain_command.cpp) and optfuse.explain returns: the
+// chain, its passes, the IR after them, the plan with its step schedule and, optionally, the
+// generated source. A chain with a matrix phase (optfuse/matrix_chain.h) prints both parts so, with
+// the matrix phase between them.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "optfuse/plan.h"
+
+namespace optfuse {
+
+// backend: "cpu" or "cuda" (the generated source's dialect).
+std::string explain_text(const Chain& chain, const std::string& backend, bool source);
+// The plans a chain runs as: one, or a matrix chain's two parts.
+std::vector<Plan> explain_plans(const Chain& chain);
+
+}  // namespace optfuse
