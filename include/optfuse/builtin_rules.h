@@ -41,6 +41,11 @@
 //                                                    row_var (per row) and col_var (per column) of each
 //                                                    parameter's matrix view, TensorRef::cols; a parameter
 //                                                    without a view keeps one value per element in row_var)
+//   scale_by_muon_momentum momentum=0.95 nesterov=true   (torch.optim.Muon's momentum; state momentum_buffer)
+//   newton_schulz           ns_coefficients=(3.4445,-4.775,2.0315) ns_steps=5 eps=1e-7   (a matrix rule: each
+//                                                    tensor's update orthogonalised; optfuse/matrix_chain.h)
+//   scale_by_muon_lr        lr=1e-3 adjust_lr=0      (update * -lr * ratio(rows, cols); adjust_lr 0 original,
+//                                                    1 match_rms_adamw, 2 spectral_unclamped)
 //   sgd      lr=1e-3 momentum=0 dampening=0 weight_decay=0 nesterov=false maximize=false
 //   adam     lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=0 amsgrad=false maximize=false
 //   adamw    lr=1e-3 betas=(0.9,0.999) eps=1e-8 weight_decay=1e-2 amsgrad=false maximize=false
@@ -65,6 +70,9 @@
 //            (torch.optim.Adafactor; eps[0]: torch's None is the parameters' machine epsilon)
 //   lars     lr=1.0 momentum=0 dampening=0 weight_decay=0 nesterov=false trust_coeff=0.001 eps=1e-8
 //            trust_clip=false always_adapt=false (timm.optim.Lars)
+//   muon     lr=1e-3 weight_decay=0.1 momentum=0.95 nesterov=true ns_coefficients=(3.4445,-4.775,2.0315)
+//            eps=1e-7 ns_steps=5 adjust_lr=0 (torch.optim.Muon: a chain with a matrix phase, which
+//            MatrixChainOptimizer runs, optfuse/matrix_chain.h)
 #pragma once
 #include <initializer_list>
 #include <map>

@@ -341,7 +341,8 @@ Program build_program(const Chain& chain, const Precision& precision) {
   for (const Rule& r : chain)
     if (r.matrix_phase())
       throw Error("rule " + r.name() + " is a matrix phase (Newton-Schulz of whole matrices), which no element-wise "
-                  "program holds: run the chain with optfuse::MatrixChainOptimizer (optfuse/matrix_chain.h)");
+                  "program holds: run the chain with optfuse::MatrixChainOptimizer (C++, optfuse/matrix_chain.h; "
+                  "in Python, optfuse.torch.Muon)");
   Program p;
   p.precision = precision;
   std::map<std::string, int> uses;

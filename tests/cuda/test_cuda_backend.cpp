@@ -16,6 +16,7 @@
 
 #include "codegen/cuda_source.h"
 #include "optfuse/builtin_rules.h"
+#include "optfuse/matrix_chain.h"
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
 #include "runtime/cuda_api.h"
@@ -60,10 +61,18 @@ std::vector<Case> all_cases() {
   auto trust_scaled = [](const std::string& n) {
     return n == "scale_by_lamb" || n == "scale_by_lars";
   };
-  for (const std::string& n : builtin_names())
+  for (const std::string& n : builtin_names()) {
+    if (n != "scale" && has_matrix_phase(make_builtin(n))) {  // its element-wise parts (optfuse/matrix_chain.h)
+      if (n == "newton_schulz") continue;     // the matrix rule alone has none
+      MatrixChainParts parts = split_matrix_chain(make_builtin(n));
+      add(n + " part 1", parts.before);
+      add(n + " part 2", parts.after);
+      continue;
+    }
     add(n, n == "scale"           ? make_builtin(n, {{"factor", 0.5}})
            : trust_scaled(n) ? chain({make_builtin(n), make_builtin("scale_by_learning_rate", {{"lr", 0.01}})})
                              : make_builtin(n));
+  }
   add("adam(amsgrad, maximize, weight_decay)", adam({{"amsgrad", true}, {"maximize", true}, {"weight_decay", 0.1}}));
   add("adamw(amsgrad)", adamw({{"amsgrad", true}}));
   {  // a max of abs per tensor and over all (the driver's of_block_max, OF_MAX combines)
