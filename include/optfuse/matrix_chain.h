@@ -15,6 +15,8 @@
 //   opt.set_tensors({TensorRef{param, grad, {momentum_buffer}, 0, 0, 0, /*cols=*/n}});  // every tensor 2-D
 //   opt.step({nullptr, nullptr, stream});
 //
+// On CUDA, as with Optimizer, the stream of the last step must outlive the optimizer: its work
+// buffers are freed on that stream.
 // Tensors: as Optimizer's, with states in the chain's order (part 1's, then part 2's; states() lists
 // them) and a matrix view (TensorRef::cols > 0) on every tensor. The optimizer owns the scratch
 // matrices (one contiguous buffer per bucket, in the parameter's dtype).

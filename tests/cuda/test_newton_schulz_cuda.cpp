@@ -131,9 +131,9 @@ TEST(NewtonSchulzCuda, MuonChainAgreesWithTheCpuOne) {
   }
   std::vector<std::vector<float>> cpu_p = p, cpu_buf, gpu_out(p.size());
   for (auto& m : p) cpu_buf.emplace_back(m.size(), 0.0f);
+  cu::Stream stream;  // before the optimizers: they free their buffers on it when destroyed
   const optfuse::Chain muon = optfuse::make_builtin("muon", {{"lr", 0.02}});
   optfuse::MatrixChainOptimizer cpu(muon, Backend::cpu), gpu(muon, Backend::cuda);
-  cu::Stream stream;
   std::vector<cu::DeviceBuffer> dp, dg, db;
   std::vector<optfuse::TensorRef> cpu_refs, gpu_refs;
   for (size_t t = 0; t < p.size(); ++t) {
@@ -176,6 +176,7 @@ TEST(NewtonSchulzCuda, MuonChainAgreesWithTheCpuOne) {
     worst = std::max(worst, largest_difference(gpu_out[t], cpu_p[t]));
   }
   std::printf("Muon chain, 5 steps, CUDA vs CPU: largest parameter difference %.3g\n", worst);
+  std::fflush(stdout);
   // per step at most lr * ratio (<= 1.23) * (4 bf16 ulps of entries <= ~0.5: 1.6e-2)
   EXPECT_LE(worst, 5 * 0.02 * 1.23 * 1.6e-2);
   EXPECT_GT(largest_difference(gpu_out[0], p[0]), 0.01) << "the parameters moved";
