@@ -10,6 +10,7 @@
 
 #include "codegen/explain.h"
 #include "optfuse/builtin_rules.h"
+#include "optfuse/dtype.h"
 #include "optfuse/error.h"
 #include "optfuse/matrix_chain.h"
 #include "optfuse/newton_schulz.h"
@@ -192,6 +193,57 @@ TEST(MatrixChain, GradScalerScaledGradientsGiveTheUnscaledStepBitwise) {
     EXPECT_EQ(plain[t].p, scaled[t].p);
     EXPECT_EQ(plain[t].buf, scaled[t].buf);
   }
+}
+
+TEST(MatrixChain, Bfloat16ParametersFollowTheFloat32Run) {
+  REQUIRE_CPU_GEMM();
+  // bf16 parameters, gradients and momentum (the scratch is bf16 too, as torch's update is):
+  // within bf16 rounding of a float32 run from the same (bf16-representable) start.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{16, 24}, {24, 16}};
+  std::vector<Matrix> f32 = make_matrices(shapes, 9);
+  for (Matrix& m : f32)
+    for (float& x : m.p) x = bf16_bits_to_float(float_to_bf16_bits(x));
+  std::vector<std::vector<uint16_t>> p16, g16, b16;
+  for (Matrix& m : f32) {
+    p16.emplace_back();
+    for (float x : m.p) p16.back().push_back(float_to_bf16_bits(x));
+    b16.emplace_back(m.p.size(), 0);
+  }
+  MatrixChainOptimizer a(make_builtin("muon", {{"lr", 0.02}}), Backend::cpu), b(make_builtin("muon", {{"lr", 0.02}}), Backend::cpu);
+  for (int step = 0; step < 5; ++step) {
+    new_gradients(f32, 30 + step);
+    g16.clear();
+    std::vector<TensorRef> r16;
+    for (size_t t = 0; t < f32.size(); ++t) {
+      for (float& x : f32[t].g) x = bf16_bits_to_float(float_to_bf16_bits(x));
+      g16.emplace_back();
+      for (float x : f32[t].g) g16.back().push_back(float_to_bf16_bits(x));
+    }
+    for (size_t t = 0; t < f32.size(); ++t) {
+      const int64_t n = int64_t(p16[t].size());
+      TensorRef r;
+      r.param = {p16[t].data(), n, DType::bf16};
+      r.grad = {g16[t].data(), n, DType::bf16};
+      r.states = {{b16[t].data(), n, DType::bf16}};
+      r.cols = f32[t].cols;
+      r16.push_back(r);
+    }
+    a.set_tensors(refs(f32));
+    b.set_tensors(r16);
+    a.step();
+    b.step();
+  }
+  double worst = 0, moved = 0;
+  std::vector<Matrix> start = make_matrices(shapes, 9);
+  for (size_t t = 0; t < f32.size(); ++t)
+    for (size_t i = 0; i < f32[t].p.size(); ++i) {
+      worst = std::max(worst, double(std::fabs(bf16_bits_to_float(p16[t][i]) - f32[t].p[i])));
+      moved = std::max(moved, double(std::fabs(f32[t].p[i] - start[t].p[i])));
+    }
+  // a bf16 ulp of parameters up to ~0.4 is 2e-3 per store; 5 steps
+  EXPECT_LE(worst, 5 * 2e-3) << "bf16 run against float32";
+  EXPECT_GT(moved, 0.02);
+  EXPECT_NE(b.describe().find("bfloat16"), std::string::npos);
 }
 
 TEST(MatrixChain, BadChainsAndTensorsAreRefused) {

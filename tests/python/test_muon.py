@@ -521,3 +521,21 @@ def test_grad_scaler_unscales_and_skips_like_torch(device):
     assert max_abs(ours_model, make_mlp(device)) > 1e-3  # training moved the weights
     assert max_abs(ours_model, ref_model) <= bound(ours_model, dict(lr=0.02))
     assert buffers_diff(ours, ref) <= NS_ABS
+
+
+@requires_cuda
+def test_cuda_graph_capture_is_refused_clearly():
+    """Capturing a Muon step would replay the capture-time hyperparameters for ever (they are pushed
+    from the host each step): refused with a clear error, nothing is left half-captured."""
+    model = make_mlp(torch.device("cuda"))
+    opt = oft.Muon(model.parameters(), lr=0.02)
+    train(model, opt, 2, torch.device("cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        with pytest.raises(oft.OptfuseError, match="cannot be captured in a CUDA graph"):
+            with torch.cuda.graph(graph, stream=side):
+                opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    train(model, opt, 1, torch.device("cuda"), start=2)  # eager steps still work

@@ -306,6 +306,12 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
+        if any(p.is_cuda for g in groups for p in g["params"]) and torch.cuda.is_current_stream_capturing():
+            # its hyperparameters are host values pushed at each step (a tensor lr is read with float()),
+            # so a replayed graph would keep the capture-time values whatever a scheduler sets later
+            raise OptfuseError(f"{type(self).__name__}: step() cannot be captured in a CUDA graph (not built for "
+                               "Muon: its hyperparameters are pushed from the host at each step, so replays would "
+                               "keep the values of the capture); run it eagerly")
         for g in groups:  # torch raises these in the Newton-Schulz call, before the parameter moves
             if g["ns_steps"] >= 100:
                 raise ValueError("Number of steps must be less than 100 for computational efficiency")
