@@ -76,7 +76,6 @@ struct MatrixChainOptimizer::State {
   Optimizer before, after;
   std::string matrix_signature;
   std::vector<Bucket> buckets;
-  std::vector<std::pair<size_t, int64_t>> place;  // per tensor: bucket, element offset in it
   std::vector<TensorRef> tensors;
 
   State(Backend b, NewtonSchulzOptions o, const Chain& c1, const Chain& c2, int groups, std::string sig)
@@ -229,18 +228,26 @@ void MatrixChainOptimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     place.emplace_back(it->second, shapes[it->second].batch * rows * r.cols);
     ++shapes[it->second].batch;
   }
-  std::vector<Bucket> buckets(shapes.size());
-  for (size_t b = 0; b < shapes.size(); ++b) {
+  // The same buckets as before (new gradients, same shapes): keep their scratch and work buffers, so
+  // a training loop that calls set_tensors every step allocates nothing.
+  bool same = shapes.size() == s.buckets.size();
+  for (size_t b = 0; same && b < shapes.size(); ++b) {
+    const MatrixBatchShape& o = s.buckets[b].shape;
+    same = o.dtype == shapes[b].dtype && o.batch == shapes[b].batch && o.rows == shapes[b].rows && o.cols == shapes[b].cols;
+  }
+  std::vector<Bucket> buckets(same ? 0 : shapes.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
     buckets[b].shape = shapes[b];
     buckets[b].ns = std::make_unique<NewtonSchulz>(s.backend, shapes[b], s.options);
     const size_t bytes = static_cast<size_t>(shapes[b].numel()) * dtype_size(shapes[b].dtype);
     if (s.backend == Backend::cuda) buckets[b].device = cuda::DeviceBuffer(bytes);
     else buckets[b].host = std::make_unique<HostBlock>(bytes);
   }
+  const std::vector<Bucket>& use = same ? s.buckets : buckets;
   std::vector<TensorRef> first, second;
   for (size_t t = 0; t < tensors.size(); ++t) {
     const TensorRef& r = tensors[t];
-    const Bucket& bk = buckets[place[t].first];
+    const Bucket& bk = use[place[t].first];
     Buffer scratch{static_cast<char*>(bk.data()) + place[t].second * static_cast<int64_t>(dtype_size(bk.shape.dtype)),
                    r.param.numel, r.param.dtype};
     TensorRef a = r, b = r;
@@ -251,10 +258,17 @@ void MatrixChainOptimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     first.push_back(a);
     second.push_back(b);
   }
+  // Each part changes nothing when it refuses its tensors; part 1 goes back to its old ones when
+  // part 2 refuses (its new scratch would be freed with `buckets`).
+  const std::vector<TensorRef> old_first = s.before.tensors();
   s.before.set_tensors(first);
-  s.after.set_tensors(second);
-  s.buckets = std::move(buckets);
-  s.place = std::move(place);
+  try {
+    s.after.set_tensors(second);
+  } catch (...) {
+    s.before.set_tensors(old_first);
+    throw;
+  }
+  if (!same) s.buckets = std::move(buckets);
   s.tensors = tensors;
 }
 

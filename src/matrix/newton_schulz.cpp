@@ -71,6 +71,7 @@ const NewtonSchulzOptions& NewtonSchulz::options() const {
 }
 
 double NewtonSchulz::flops() const {
+  if (!impl_) throw Error("NewtonSchulz: used after being moved from");
   const Impl& i = *impl_;
   const double s = static_cast<double>(i.short_side()), l = static_cast<double>(i.long_side());
   // X X^T (s x s x l), A A (s x s x s), B X (s x l x s), 2 FLOPs per multiply-add.

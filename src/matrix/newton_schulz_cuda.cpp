@@ -8,7 +8,9 @@
 // and no transposition is ever copied. cuBLAS reads C and writes it (beta C + alpha op(A) op(B)), so
 // B starts as a copy of A and Y' as a copy of Y (device-to-device copies, small next to the products).
 #include <algorithm>
+#include <map>
 #include <mutex>
+#include <string>
 
 #include "codegen/c_printer.h"
 #include "matrix/gemm_libraries.h"
@@ -23,9 +25,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr long long kChunk = 65536;  // elements of one matrix per block of the norm and scale kernels
 
+// (OF_NS_THREADS and OF_NS_CHUNK are printed before this from kThreads and kChunk.)
 const char* kKernels = R"(
-#define OF_NS_THREADS 256
-#define OF_NS_CHUNK 65536LL
 // Storage dtype codes as DType: 0 float32, 1 float16, 2 bfloat16.
 __device__ __forceinline__ float of_ns_load(const void* m, int dtype, long long i) {
   if (dtype == 0) return ((const float*)m)[i];
@@ -92,20 +93,19 @@ struct Kernels {
   CUfunction partials, norms, scale, store;
 };
 
+// Compiled and loaded once per architecture for the process (a map: references stay valid).
 const Kernels& kernels_for(int arch) {
   static std::mutex mu;
-  static std::vector<std::pair<int, Kernels>> loaded;
+  static std::map<int, Kernels> loaded;
   std::lock_guard<std::mutex> lock(mu);
-  for (auto& [a, k] : loaded)
-    if (a == arch) return k;
+  if (auto it = loaded.find(arch); it != loaded.end()) return it->second;
   Kernels k;
   k.module = cuda::shared_module(cuda::compile(newton_schulz_cuda_source(), "optfuse_newton_schulz", arch).cubin);
   k.partials = k.module->function("of_ns_partials");
   k.norms = k.module->function("of_ns_norms");
   k.scale = k.module->function("of_ns_scale");
   k.store = k.module->function("of_ns_store");
-  loaded.emplace_back(arch, k);
-  return loaded.back().second;
+  return loaded.emplace(arch, k).first->second;
 }
 
 class CudaNewtonSchulz final : public NewtonSchulz::Impl {
@@ -160,7 +160,8 @@ class CudaNewtonSchulz final : public NewtonSchulz::Impl {
     }
     long long n = batch * per;
     void* args[] = {&y, &dtype, &n, &m};
-    const unsigned grid = static_cast<unsigned>(std::min<long long>((n + kThreads - 1) / kThreads, 132LL * 16));
+    const long long enough = static_cast<long long>(std::max(device_.sm_count, 1)) * 16;  // grid-stride beyond that
+    const unsigned grid = static_cast<unsigned>(std::min<long long>((n + kThreads - 1) / kThreads, enough));
     cuda::launch(kernels_->store, grid, kThreads, 0, stream, args);
   }
 
@@ -194,7 +195,10 @@ class CudaNewtonSchulz final : public NewtonSchulz::Impl {
 
 }  // namespace
 
-std::string newton_schulz_cuda_source() { return dialect_prelude(cuda_dialect()) + kKernels; }
+std::string newton_schulz_cuda_source() {
+  return dialect_prelude(cuda_dialect()) + "#define OF_NS_THREADS " + std::to_string(kThreads) +
+         "\n#define OF_NS_CHUNK " + std::to_string(kChunk) + "LL\n" + kKernels;
+}
 
 std::unique_ptr<NewtonSchulz::Impl> make_cuda_newton_schulz(MatrixBatchShape shape, NewtonSchulzOptions options) {
   return std::make_unique<CudaNewtonSchulz>(shape, options);
