@@ -231,8 +231,13 @@ class _Bucket:
         coefficients, steps, eps, use_addmm = ns
         self.core = None
         if use_addmm and _matrix_phase_engine(device) == "core":
-            self.core = _core.NewtonSchulz(device.type, dtype_code(self.scratch), count, shape[0], shape[1],
-                                           tuple(coefficients), steps, eps)
+            make = lambda: _core.NewtonSchulz(device.type, dtype_code(self.scratch), count, shape[0], shape[1],  # noqa: E731
+                                              tuple(coefficients), steps, eps)
+            if device.type == "cuda":
+                with torch.cuda.device(device):  # the core builds for the current device's context
+                    self.core = make()
+            else:
+                self.core = make()
 
     def orthogonalise(self):
         if self.core is None:
