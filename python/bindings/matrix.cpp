@@ -1,18 +1,107 @@
-// The matrix phase (include/optfuse/newton_schulz.h): optfuse._core.NewtonSchulz. The torch front end
-// (optfuse/torch/_muon.py) hands it the data pointer of a contiguous (batch, rows, cols) scratch
-// tensor it owns and checks, and the current CUDA stream, as integers.
+// The matrix phase: optfuse._core.NewtonSchulz (include/optfuse/newton_schulz.h; the torch front end,
+// optfuse/torch/_muon.py, hands it the data pointer of a contiguous (batch, rows, cols) scratch
+// tensor it owns and checks, and the current CUDA stream, as integers) and MatrixChainOptimizer
+// (include/optfuse/matrix_chain.h) over DLPack arrays.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <vector>
 
 #include "bindings/common.h"
+#include "bindings/arrays.h"
+#include "optfuse/error.h"
+#include "optfuse/matrix_chain.h"
 #include "optfuse/newton_schulz.h"
 
 using namespace nb::literals;
 
 namespace optfuse::py {
 
+namespace {
+
+// MatrixChainOptimizer over DLPack arrays (NumPy, torch, CuPy...): every parameter a 2-D array.
+class PyMatrixChain {
+ public:
+  PyMatrixChain(nb::handle chain, const std::string& backend, int groups) {
+    Chain c = to_chain(chain);
+    Backend b = parse_backend(backend);
+    nb::gil_scoped_release release;
+    opt_ = std::make_unique<MatrixChainOptimizer>(c, b, groups);
+  }
+  MatrixChainOptimizer& get() { return *opt_; }
+
+  // (param, grad, [states], group): param a 2-D array (its matrix), the rest of its size.
+  void set_tensors(nb::handle items) {
+    const std::vector<ProgramState> states = opt_->states();
+    std::vector<TensorRef> refs;
+    std::vector<nb::object> keep;
+    int dev_id = -1;
+    size_t t = 0;
+    for (nb::handle item : items) {
+      const std::string where = "tensor " + std::to_string(t++);
+      if ((!nb::isinstance<nb::tuple>(item) && !nb::isinstance<nb::list>(item)) || (nb::len(item) != 3 && nb::len(item) != 4))
+        throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
+      TensorRef r;
+      nb::ndarray<nb::ro> param = read_array(item[0], where + ": param", true, keep);
+      if (param.ndim() != 2)
+        throw Error(where + ": param has shape " + describe_shape(param) + "; a chain with a matrix phase steps 2-D matrices");
+      r.param = array_buffer(param, where + ": param", param, opt_->backend(), dev_id);
+      r.cols = static_cast<int64_t>(param.shape(1));
+      r.grad = array_buffer(read_array(item[1], where + ": grad", false, keep), where + ": grad", param, opt_->backend(), dev_id);
+      nb::handle st = item[2];
+      if ((!nb::isinstance<nb::tuple>(st) && !nb::isinstance<nb::list>(st)) || nb::len(st) != states.size())
+        throw Error(where + ": states must be a list of " + std::to_string(states.size()) + " arrays (state_names)");
+      size_t k = 0;
+      for (nb::handle a : st) {
+        const std::string w = where + ": state " + states[k++].qualified;
+        r.states.push_back(array_buffer(read_array(a, w, true, keep), w, param, opt_->backend(), dev_id));
+      }
+      r.group = nb::len(item) == 4 ? nb::cast<int>(item[3]) : 0;
+      refs.push_back(r);
+    }
+    opt_->set_tensors(refs);
+    keep_ = std::move(keep);
+  }
+
+  void step(nb::handle stream) {
+    StepInputs in;
+    if (!stream.is_none()) {
+      if (opt_->backend() != Backend::cuda) throw Error("step(stream=...) is for the cuda backend");
+      in.stream = reinterpret_cast<void*>(nb::cast<uint64_t>(stream));
+    }
+    nb::gil_scoped_release release;
+    opt_->step(in);
+  }
+
+ private:
+  std::unique_ptr<MatrixChainOptimizer> opt_;
+  std::vector<nb::object> keep_;  // the arrays of the tensor set
+};
+
+}  // namespace
+
 void bind_matrix(nb::module_& m) {
+  nb::class_<PyMatrixChain>(m, "MatrixChainOptimizer",
+                            "A chain with a matrix phase (e.g. 'muon(lr=0.02)'): part 1's passes, Newton-Schulz of "
+                            "every 2-D parameter's update (batched by shape), part 2's passes.")
+      .def(nb::init<nb::handle, const std::string&, int>(), "chain"_a, "backend"_a = "cpu", "groups"_a = 1)
+      .def("set_tensors", &PyMatrixChain::set_tensors, "tensors"_a,
+           "[(param, grad, [states], group?)], param a 2-D array; states in state_names order, zero-filled.")
+      .def("step", &PyMatrixChain::step, "stream"_a = nb::none())
+      .def("set_hyper", [](PyMatrixChain& o, int group, const std::string& name, double v) { o.get().set_hyper(group, name, v); },
+           "group"_a, "name"_a, "value"_a)
+      .def("hyper", [](PyMatrixChain& o, int group, const std::string& name) { return o.get().hyper(group, name); },
+           "group"_a, "name"_a)
+      .def("step_count", [](PyMatrixChain& o, int group) { return o.get().step_count(group); }, "group"_a)
+      .def("describe", [](PyMatrixChain& o) { return o.get().describe(); })
+      .def_prop_ro("state_names", [](PyMatrixChain& o) {
+        std::vector<std::string> out;
+        for (const ProgramState& s : o.get().states()) out.push_back(s.name);
+        return out;
+      });
   m.def("gemm_available", [](const std::string& backend) {
         std::string why;
         bool ok = gemm_available(parse_backend(backend), &why);

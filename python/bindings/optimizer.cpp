@@ -22,6 +22,7 @@
 #include "optfuse/rule.h"
 #include "runtime/matrix_tables.h"
 
+#include "bindings/arrays.h"
 #include "bindings/common.h"
 #include "bindings/dlpack_exchange.h"
 
@@ -35,54 +36,6 @@ namespace {
 // Optimizer. The C++ Optimizer keeps raw pointers; the wrapper keeps what owns the memory alive
 // (the DLPack arrays, or nothing for the raw path whose caller keeps its tensors) and checks that
 // every tensor lives where the backend runs.
-
-constexpr int kDevCPU = 1, kDevCUDA = 2, kDevCUDAManaged = 13;
-
-std::string describe_dtype(nb::dlpack::dtype t) {
-  const char* base = "?";
-  switch (static_cast<nb::dlpack::dtype_code>(t.code)) {
-    case nb::dlpack::dtype_code::Int: base = "int"; break;
-    case nb::dlpack::dtype_code::UInt: base = "uint"; break;
-    case nb::dlpack::dtype_code::Float: base = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: base = "bfloat"; break;
-    case nb::dlpack::dtype_code::Complex: base = "complex"; break;
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: break;
-  }
-  return base + std::to_string(t.bits) + (t.lanes != 1 ? "x" + std::to_string(t.lanes) : "");
-}
-
-std::optional<DType> to_dtype(nb::dlpack::dtype t) {
-  if (t.lanes != 1) return std::nullopt;
-  auto code = static_cast<nb::dlpack::dtype_code>(t.code);
-  if (code == nb::dlpack::dtype_code::Float && t.bits == 32) return DType::f32;
-  if (code == nb::dlpack::dtype_code::Float && t.bits == 16) return DType::f16;
-  if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) return DType::bf16;
-  if (code == nb::dlpack::dtype_code::Int && t.bits == 16) return DType::i16;
-  return std::nullopt;
-}
-
-std::string describe_shape(const nb::ndarray<nb::ro>& a) {
-  std::string s = "(";
-  for (size_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
-  return s + (a.ndim() == 1 ? ",)" : ")");
-}
-
-bool c_contiguous(const nb::ndarray<nb::ro>& a) {
-  if (a.size() == 0 || a.stride_ptr() == nullptr) return true;
-  int64_t expect = 1;
-  for (size_t i = a.ndim(); i-- > 0;) {
-    if (a.shape(i) != 1 && a.stride(i) != expect) return false;
-    expect *= static_cast<int64_t>(a.shape(i));
-  }
-  return true;
-}
-
-std::string device_text(int type, int id) {
-  if (type == kDevCPU) return "cpu";
-  if (type == kDevCUDA || type == kDevCUDAManaged) return "cuda:" + std::to_string(id);
-  return "DLPack device type " + std::to_string(type) + ":" + std::to_string(id);
-}
 
 class PyOptimizer {
  public:
@@ -122,9 +75,9 @@ class PyOptimizer {
       size_t n = nb::len(item);
       if (n != 3 && n != 4) throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
       TensorRef r;
-      nb::ndarray<nb::ro> param = array(item[0], where + ": param", true, keep);
-      r.param = buffer(param, where + ": param", param, dev_id);
-      r.grad = buffer(array(item[1], where + ": grad", false, keep), where + ": grad", param, dev_id);
+      nb::ndarray<nb::ro> param = read_array(item[0], where + ": param", true, keep);
+      r.param = array_buffer(param, where + ": param", param, opt_->backend(), dev_id);
+      r.grad = array_buffer(read_array(item[1], where + ": grad", false, keep), where + ": grad", param, opt_->backend(), dev_id);
       nb::handle st = item[2];
       if (!nb::isinstance<nb::tuple>(st) && !nb::isinstance<nb::list>(st))
         throw Error(where + ": states must be a list of arrays, got " + type_name_of(st));
@@ -134,7 +87,7 @@ class PyOptimizer {
       size_t s = 0;
       for (nb::handle a : st) {
         std::string w = where + ": state " + states[s++].qualified;
-        r.states.push_back(buffer(array(a, w, true, keep), w, param, dev_id));
+        r.states.push_back(array_buffer(read_array(a, w, true, keep), w, param, opt_->backend(), dev_id));
       }
       r.group = n == 4 ? nb::cast<int>(item[3]) : 0;
       if (stochastic_rounding) {
@@ -315,78 +268,6 @@ class PyOptimizer {
     std::string s;
     for (const auto& st : opt_->plan().program.states) s += (s.empty() ? " (" : ", ") + st.qualified;
     return s.empty() ? "" : s + ")";
-  }
-
-  // Why an array the optimizer would write (a parameter or a state) must not be written, or "" if
-  // nothing says so before a DLPack export: a JAX array (immutable by contract, but its DLPack
-  // export is not flagged read-only, so only its type tells), or an array whose flags.writeable is
-  // False (NumPy and look-alikes; checked directly rather than relying on how a NumPy version flags
-  // its export).
-  static std::string read_only_reason(nb::handle h) {
-    nb::object module = nb::getattr(h.type(), "__module__", nb::none());
-    if (nb::isinstance<nb::str>(module)) {
-      std::string m = nb::cast<std::string>(module);
-      for (const char* jax : {"jax", "jaxlib"}) {
-        std::string p = jax;
-        if (m == p || m.rfind(p + ".", 0) == 0)
-          return "is a JAX array (" + type_name_of(h) + "); JAX arrays are immutable (read-only), and writing one in "
-                 "place would break every computation that shares it";
-      }
-    }
-    nb::object flags = nb::getattr(h, "flags", nb::none());
-    if (!flags.is_none()) {
-      nb::object writeable = nb::getattr(flags, "writeable", nb::none());
-      if (writeable.ptr() == Py_False) return "is read-only (its flags.writeable is False)";
-    }
-    return "";
-  }
-
-  // An array through DLPack (or the buffer protocol). writable: a parameter or a state, which the
-  // optimizer updates in place, so read-only and immutable arrays are refused; gradients are only
-  // read and may be read-only.
-  nb::ndarray<nb::ro> array(nb::handle h, const std::string& what, bool writable, std::vector<nb::object>& keep) {
-    const char* why_writable = "; the optimizer writes parameters and states in place, so pass a writable array "
-                               "(NumPy, torch, CuPy; a read-only array only as a gradient)";
-    if (writable) {
-      std::string reason = read_only_reason(h);
-      if (!reason.empty()) throw Error(what + " " + reason + why_writable);
-    }
-    nb::ndarray<nb::ro> ro;
-    if (!nb::try_cast(h, ro, false))
-      throw Error(what + ": expected an array with DLPack or the buffer protocol (NumPy array, torch tensor), got " + type_name_of(h));
-    if (writable) {
-      // nanobind asks for a writable view: it requests a versioned DLPack capsule (DLPack >= 1.0)
-      // and refuses one flagged DLPACK_FLAG_BITMASK_READ_ONLY, or a read-only buffer.
-      nb::ndarray<> rw;
-      if (!nb::try_cast(h, rw, false))
-        throw Error(what + " is read-only (its DLPack export is flagged read-only, or its buffer is not writable)" +
-                    why_writable);
-    }
-    keep.push_back(nb::borrow(h));
-    return ro;
-  }
-
-  Buffer buffer(const nb::ndarray<nb::ro>& a, const std::string& what, const nb::ndarray<nb::ro>& param, int& dev_id) {
-    std::optional<DType> d = to_dtype(a.dtype());
-    if (!d) throw Error(what + " has dtype " + describe_dtype(a.dtype()) + "; optfuse supports float32, float16 and bfloat16");
-    if (!c_contiguous(a))
-      throw Error(what + " is not contiguous (the fused kernel walks memory linearly); pass a contiguous array "
-                  "(torch: .contiguous(), NumPy: np.ascontiguousarray)");
-    bool cuda_mem = a.device_type() == kDevCUDA || a.device_type() == kDevCUDAManaged;
-    if (on_cuda() && !cuda_mem)
-      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but the backend is cuda");
-    if (!on_cuda() && a.device_type() != kDevCPU)
-      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but the backend is " +
-                  backend_name(opt_->backend()) + " (host memory only)");
-    int id = a.device_type() == kDevCPU ? -1 : a.device_id();
-    if (dev_id == -1 && id != -1) dev_id = id;
-    if (id != dev_id)
-      throw Error(what + " is on " + device_text(a.device_type(), a.device_id()) + " but other tensors are on cuda:" +
-                  std::to_string(dev_id) + "; one optimizer steps tensors of one device");
-    if (a.size() != param.size())
-      throw Error(what + " has shape " + describe_shape(a) + " (" + std::to_string(a.size()) +
-                  " elements) but the parameter has shape " + describe_shape(param) + " (" + std::to_string(param.size()) + ")");
-    return Buffer{const_cast<void*>(static_cast<const void*>(a.data())), static_cast<int64_t>(a.size()), *d};
   }
 
   const float* scalar(nb::handle h, const char* what, float& host_value) {

@@ -12,11 +12,15 @@ New rules are written in Python with the same builder as in C++:
     sign_rule = optfuse.Rule("scale_by_sign").hyper("strength", 1.0).update(
         lambda b: optfuse.sign(b.update()) * b.hyper("strength"))
 
+A chain with a matrix phase (Muon: "muon(lr=0.02)") runs through optfuse.MatrixChainOptimizer
+(2-D parameters; its state_names say which state arrays to pass).
+
 The PyTorch front end lives in optfuse.torch (imported on demand; torch is optional).
 """
 from ._core import (  # noqa: F401
     BackendUnavailable,
     Expr,
+    MatrixChainOptimizer,
     OptfuseError,
     Optimizer,
     Plan,

@@ -539,3 +539,66 @@ def test_cuda_graph_capture_is_refused_clearly():
                 opt.step()
     torch.cuda.current_stream().wait_stream(side)
     train(model, opt, 1, torch.device("cuda"), start=2)  # eager steps still work
+
+
+# ---------------------------------------------------------------- the core's muon chain
+def test_core_muon_chain_matches_torch_with_given_gradients(device):
+    """optfuse.MatrixChainOptimizer("muon(...)") (the C++ chain: part 1, the core's matrix phase,
+    part 2) on torch tensors through DLPack, against torch.optim.Muon with the same new gradient
+    tensors every step: within the NS bound (its element math rounds like optfuse's built-in lerp
+    and multiply-then-add, within an ulp of torch's fused forms)."""
+    import optfuse
+    ok, why = optfuse._core.gemm_available(device.type)
+    if not ok:
+        pytest.skip(f"the core's matrix phase cannot run on {device.type} here: {why}")
+    torch.manual_seed(4)
+    shapes = [(24, 40), (40, 24), (24, 40), (16, 16)]
+    init = [torch.randn(s, device=device) * 0.1 for s in shapes]
+    ours = [t.clone() for t in init]
+    bufs = [torch.zeros_like(t) for t in init]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn="match_rms_adamw")
+    torch_opt = TorchMuon(ref, **kw)
+    opt = optfuse.MatrixChainOptimizer("muon(lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr=1)", device.type)
+    assert opt.state_names == ["momentum_buffer"]
+    assert "matrix: newton_schulz" in opt.describe()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(STEPS):
+        grads = [torch.randn(s, generator=gen).to(device) for s in shapes]
+        torch_opt.zero_grad()
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        torch_opt.step()
+        opt.set_tensors([(p, g, [b]) for p, g, b in zip(ours, grads, bufs)])
+        opt.step(None if device.type == "cpu" else torch.cuda.current_stream().cuda_stream)
+    assert opt.step_count(0) == STEPS
+    d = max((a - b.detach()).abs().max().item() for a, b in zip(ours, ref))
+    db = max((a - torch_opt.state[p]["momentum_buffer"]).abs().max().item() for a, p in zip(bufs, ref))
+    moved = max((a - b).abs().max().item() for a, b in zip(ours, init))
+    bound_here = STEPS * 0.02 * 0.2 * math.sqrt(40) * NS_ABS
+    print(f"core muon chain vs torch.optim.Muon on {device.type}: max|dp| {d:.3g} (bound {bound_here:.3g}, moved "
+          f"{moved:.3g}), max|dbuf| {db:.3g}")
+    assert d <= bound_here
+    assert db <= 1e-5  # the buffers see the same gradients: float32 lerp roundings only
+    assert moved > 10 * d
+
+
+def test_core_muon_chain_refuses_bad_input():
+    import numpy as np
+    import optfuse
+    if not optfuse._core.gemm_available("cpu")[0]:
+        pytest.skip("no CPU GEMM library here")
+    opt = optfuse.MatrixChainOptimizer("muon()", "cpu")
+    p = np.zeros((4, 6), np.float32)
+    with pytest.raises(optfuse.OptfuseError, match="2-D matrices"):
+        opt.set_tensors([(np.zeros(24, np.float32), np.zeros(24, np.float32), [np.zeros(24, np.float32)])])
+    with pytest.raises(optfuse.OptfuseError, match="states must be a list of 1"):
+        opt.set_tensors([(p, p.copy(), [])])
+    with pytest.raises(optfuse.OptfuseError, match="read-only"):
+        ro = p.copy()
+        ro.flags.writeable = False
+        opt.set_tensors([(ro, p.copy(), [p.copy()])])
+    with pytest.raises(optfuse.OptfuseError, match="MatrixChainOptimizer"):
+        optfuse.Optimizer("muon()", "cpu")
+    with pytest.raises(optfuse.OptfuseError, match="no hyperparameter 'betas'"):
+        opt.set_hyper(0, "betas", 0.9)
