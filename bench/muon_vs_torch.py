@@ -122,6 +122,24 @@ def bench_workload(name, args, device):
             res[f"{k}_error"] = traceback.format_exc()
     if "torch_step_us" in res and "optfuse_step_us" in res:
         res["speedup"] = res["torch_step_us"] / res["optfuse_step_us"]
+    # The core's own Muon chain (optfuse.MatrixChainOptimizer("muon(...)"): part 1, the matrix
+    # phase, part 2, as C++ callers run it), on the same start and gradients; set_tensors with each
+    # step's new gradient tensors runs before the timed step.
+    try:
+        import optfuse
+        chain_params = [t.clone() for t in init]
+        chain_bufs = [torch.zeros_like(t) for t in init]
+        chain = optfuse.MatrixChainOptimizer("muon(lr=0.02, weight_decay=0.01)", device.type)
+        stream = (lambda: torch.cuda.current_stream().cuda_stream) if device.type == "cuda" else (lambda: None)
+
+        def chain_grads(i):
+            chain.set_tensors([(p, g.clone(), [b]) for p, g, b in zip(chain_params, grad_sets[i % 2], chain_bufs)])
+
+        res["core_chain_step_us"] = median_time(timer, lambda: chain.step(stream()), args.steps, args.warmup, chain_grads)
+        res["core_chain_max_abs_param_diff_to_torch"] = max((a - b).abs().max().item()
+                                                             for a, b in zip(chain_params, params["torch"]))
+    except Exception:  # noqa: BLE001
+        res["core_chain_error"] = traceback.format_exc()
     # after the same number of steps from the same start and gradients, how far apart the two are
     res["max_abs_param_diff"] = max((a - b).abs().max().item() for a, b in zip(params["torch"], params["optfuse"]))
 
@@ -193,11 +211,14 @@ def main():
                 f"passes {r.get('momentum_pass_us', float('nan')):.0f} + {r.get('matrix_phase_us', float('nan')):.0f} "
                 f"+ {r.get('apply_pass_us', float('nan')):.0f} us; max|dp| {r['max_abs_param_diff']:.3g}")
         print(line)
+        if "core_chain_step_us" in r:
+            print(f"  the core's muon chain (MatrixChainOptimizer): {r['core_chain_step_us']:.0f} us per step, "
+                  f"max|dp| to torch {r['core_chain_max_abs_param_diff_to_torch']:.3g}")
         for bk in r.get("buckets", []):
             print(f"  NS {bk['matrices']} x {bk['shape']}: optfuse ({bk['engine']}) {bk['optfuse_tflops']:.2f} TFLOP/s "
                   f"({100 * bk['optfuse_fraction_of_peak']:.1f}% of {args.peak_tflops:g}), torch batched bmm "
                   f"{bk['torch_batched_tflops']:.2f}, torch per matrix {bk['torch_per_matrix_tflops']:.2f} TFLOP/s")
-        for k in ("torch_error", "optfuse_error", "phases_error"):
+        for k in ("torch_error", "optfuse_error", "phases_error", "core_chain_error"):
             if k in r:
                 print(r[k])
     if args.json:

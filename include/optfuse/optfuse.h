@@ -5,6 +5,8 @@
 #include "optfuse/dtype.h"
 #include "optfuse/error.h"
 #include "optfuse/ir.h"
+#include "optfuse/matrix_chain.h"
+#include "optfuse/newton_schulz.h"
 #include "optfuse/optimizer.h"
 #include "optfuse/plan.h"
 #include "optfuse/rule.h"
