@@ -5,17 +5,9 @@
 # kernels' times of PROFILE_OPTIMIZERS (default Adafactor Lamb; dev/kernel_times.py, torch profiler).
 # Usage: dev/h200_adafactor.sh [part ...]   parts: build cxx python bench profile (default: all)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-out}
-mkdir -p "$out"
-export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
 parts=${*:-build cxx python bench profile}
-has() { [[ " $parts " == *" $1 "* ]]; }
-# build and test_cuda: the training-loop script's parts of those names (the same logs in $OUT)
-build_cxx=""
-has build && build_cxx="build"
-has cxx && build_cxx="$build_cxx cxx"
-[ -n "$build_cxx" ] && { OUT="$out" dev/h200_training_loop.sh $build_cxx || exit 1; }
+source "$(dirname "$0")/h200_lib.sh"
+build_and_cxx || exit 1  # build and test_cuda: the training-loop script's parts of those names
 if has python; then
   echo "== pytest ($(date +%T))"
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rfEs --tb=short -p no:cacheprovider tests/python/test_adafactor.py \

@@ -6,22 +6,15 @@
 # Debian packages in .devdeps/ (no network there).
 # Usage: dev/h200_muon.sh [part ...]   parts: build cxx python bench (default: all)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-out}
-mkdir -p "$out"
-export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
 parts=${*:-build cxx python bench}
-has() { [[ " $parts " == *" $1 "* ]]; }
+source "$(dirname "$0")/h200_lib.sh"
 if ls .devdeps/libopenblas0-pthread_*.deb >/dev/null 2>&1; then
   mkdir -p /tmp/openblas
   for f in .devdeps/libopenblas0-pthread_*.deb .devdeps/libgfortran5_*.deb; do dpkg -x "$f" /tmp/openblas; done
   lib=/tmp/openblas/usr/lib/x86_64-linux-gnu
   export LD_LIBRARY_PATH=$lib/openblas-pthread:$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
-build_cxx=""
-has build && build_cxx="build"
-has cxx && build_cxx="$build_cxx cxx"
-[ -n "$build_cxx" ] && { OUT="$out" dev/h200_training_loop.sh $build_cxx || exit 1; }
+build_and_cxx || exit 1
 if has python; then
   echo "== pytest ($(date +%T))"
   python3 -c "import optfuse._core as c; print('gemm cpu', c.gemm_available('cpu')); print('gemm cuda', c.gemm_available('cuda'))"

@@ -7,12 +7,8 @@
 # Usage: dev/h200_training_loop.sh [part ...]
 #   parts: build cxx python bench optimizers mixed muon traced compile (default: build cxx python bench)
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${OUT:-out}
-mkdir -p "$out"
-export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$PWD/.devcache} PYTHONUNBUFFERED=1
 parts=${*:-build cxx python bench}
-has() { [[ " $parts " == *" $1 "* ]]; }
+source "$(dirname "$0")/h200_lib.sh"
 step() { echo "== $* ($(date +%T))" | tee -a "$out/summary.log"; }
 if has build; then
   step build

@@ -66,6 +66,8 @@ struct NewtonSchulzOptions {
   std::array<double, 3> coefficients{3.4445, -4.7750, 2.0315};  // (a, b, c)
   int steps = 5;       // 0 <= steps < 100, as torch requires
   double eps = 1e-7;   // the Frobenius norm is clamped to at least eps
+  // "" if the settings are valid, else why not (checked by Rule::matrix_phase and NewtonSchulz).
+  std::string problem() const;
 };
 
 class RuleBuilder;

@@ -131,4 +131,32 @@ Buffer array_buffer(const nb::ndarray<nb::ro>& a, const std::string& what, const
   return Buffer{const_cast<void*>(static_cast<const void*>(a.data())), static_cast<int64_t>(a.size()), *d};
 }
 
+TensorRef read_tensor_item(nb::handle item, const std::string& where, const std::vector<ProgramState>& states,
+                           Backend backend, int& dev_id, std::vector<nb::object>& keep, nb::ndarray<nb::ro>* param_array) {
+  if (!nb::isinstance<nb::tuple>(item) && !nb::isinstance<nb::list>(item))
+    throw Error(where + ": expected a tuple (param, grad, [states], group), got " + type_name_of(item));
+  const size_t n = nb::len(item);
+  if (n != 3 && n != 4) throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
+  TensorRef r;
+  nb::ndarray<nb::ro> param = read_array(item[0], where + ": param", true, keep);
+  r.param = array_buffer(param, where + ": param", param, backend, dev_id);
+  r.grad = array_buffer(read_array(item[1], where + ": grad", false, keep), where + ": grad", param, backend, dev_id);
+  nb::handle st = item[2];
+  const bool is_list = nb::isinstance<nb::tuple>(st) || nb::isinstance<nb::list>(st);
+  if (!is_list || nb::len(st) != states.size()) {
+    std::string names;
+    for (const ProgramState& s : states) names += (names.empty() ? "" : ", ") + s.qualified;
+    throw Error(where + ": states must be a list of " + std::to_string(states.size()) + " state arrays (" + names +
+                "), got " + (is_list ? std::to_string(nb::len(st)) : type_name_of(st)));
+  }
+  size_t k = 0;
+  for (nb::handle a : st) {
+    const std::string w = where + ": state " + states[k++].qualified;
+    r.states.push_back(array_buffer(read_array(a, w, true, keep), w, param, backend, dev_id));
+  }
+  r.group = n == 4 ? nb::cast<int>(item[3]) : 0;
+  if (param_array) *param_array = param;
+  return r;
+}
+
 }  // namespace optfuse::py

@@ -31,4 +31,11 @@ nb::ndarray<nb::ro> read_array(nb::handle h, const std::string& what, bool writa
 Buffer array_buffer(const nb::ndarray<nb::ro>& a, const std::string& what, const nb::ndarray<nb::ro>& param, Backend backend,
                     int& dev_id);
 
+// One item of a set_tensors list, (param, grad, [states]) or (param, grad, [states], group), as a
+// TensorRef (group 0 when left out) for `backend`; states in `states`' order. The arrays are kept
+// in `keep`; *param_array (if given) receives the parameter's array (its shape).
+TensorRef read_tensor_item(nb::handle item, const std::string& where, const std::vector<ProgramState>& states,
+                           Backend backend, int& dev_id, std::vector<nb::object>& keep,
+                           nb::ndarray<nb::ro>* param_array = nullptr);
+
 }  // namespace optfuse::py

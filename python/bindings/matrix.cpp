@@ -42,24 +42,11 @@ class PyMatrixChain {
     size_t t = 0;
     for (nb::handle item : items) {
       const std::string where = "tensor " + std::to_string(t++);
-      if ((!nb::isinstance<nb::tuple>(item) && !nb::isinstance<nb::list>(item)) || (nb::len(item) != 3 && nb::len(item) != 4))
-        throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
-      TensorRef r;
-      nb::ndarray<nb::ro> param = read_array(item[0], where + ": param", true, keep);
+      nb::ndarray<nb::ro> param;
+      TensorRef r = read_tensor_item(item, where, states, opt_->backend(), dev_id, keep, &param);
       if (param.ndim() != 2)
         throw Error(where + ": param has shape " + describe_shape(param) + "; a chain with a matrix phase steps 2-D matrices");
-      r.param = array_buffer(param, where + ": param", param, opt_->backend(), dev_id);
       r.cols = static_cast<int64_t>(param.shape(1));
-      r.grad = array_buffer(read_array(item[1], where + ": grad", false, keep), where + ": grad", param, opt_->backend(), dev_id);
-      nb::handle st = item[2];
-      if ((!nb::isinstance<nb::tuple>(st) && !nb::isinstance<nb::list>(st)) || nb::len(st) != states.size())
-        throw Error(where + ": states must be a list of " + std::to_string(states.size()) + " arrays (state_names)");
-      size_t k = 0;
-      for (nb::handle a : st) {
-        const std::string w = where + ": state " + states[k++].qualified;
-        r.states.push_back(array_buffer(read_array(a, w, true, keep), w, param, opt_->backend(), dev_id));
-      }
-      r.group = nb::len(item) == 4 ? nb::cast<int>(item[3]) : 0;
       refs.push_back(r);
     }
     opt_->set_tensors(refs);

@@ -69,27 +69,7 @@ class PyOptimizer {
     int dev_id = -1;
     size_t t = 0;
     for (nb::handle item : items) {
-      std::string where = "tensor " + std::to_string(t);
-      if (!nb::isinstance<nb::tuple>(item) && !nb::isinstance<nb::list>(item))
-        throw Error(where + ": expected a tuple (param, grad, [states], group), got " + type_name_of(item));
-      size_t n = nb::len(item);
-      if (n != 3 && n != 4) throw Error(where + ": expected (param, grad, [states]) or (param, grad, [states], group)");
-      TensorRef r;
-      nb::ndarray<nb::ro> param = read_array(item[0], where + ": param", true, keep);
-      r.param = array_buffer(param, where + ": param", param, opt_->backend(), dev_id);
-      r.grad = array_buffer(read_array(item[1], where + ": grad", false, keep), where + ": grad", param, opt_->backend(), dev_id);
-      nb::handle st = item[2];
-      if (!nb::isinstance<nb::tuple>(st) && !nb::isinstance<nb::list>(st))
-        throw Error(where + ": states must be a list of arrays, got " + type_name_of(st));
-      if (nb::len(st) != states.size())
-        throw Error(where + ": " + std::to_string(nb::len(st)) + " state arrays given but the chain has " +
-                    std::to_string(states.size()) + state_list());
-      size_t s = 0;
-      for (nb::handle a : st) {
-        std::string w = where + ": state " + states[s++].qualified;
-        r.states.push_back(array_buffer(read_array(a, w, true, keep), w, param, opt_->backend(), dev_id));
-      }
-      r.group = n == 4 ? nb::cast<int>(item[3]) : 0;
+      TensorRef r = read_tensor_item(item, "tensor " + std::to_string(t), states, opt_->backend(), dev_id, keep);
       if (stochastic_rounding) {
         r.param.stochastic_rounding = dtype_is_low_precision_float(r.param.dtype);
         for (Buffer& b : r.states) b.stochastic_rounding = dtype_is_low_precision_float(b.dtype);
@@ -264,12 +244,6 @@ class PyOptimizer {
   }
 
  private:
-  std::string state_list() const {
-    std::string s;
-    for (const auto& st : opt_->plan().program.states) s += (s.empty() ? " (" : ", ") + st.qualified;
-    return s.empty() ? "" : s + ")";
-  }
-
   const float* scalar(nb::handle h, const char* what, float& host_value) {
     if (h.is_none()) return nullptr;
     if (is_number(h)) {

@@ -29,19 +29,24 @@ std::string plan_text(const Plan& plan, const std::string& backend, bool source)
 
 }  // namespace
 
-std::vector<Plan> explain_plans(const Chain& chain) {
-  if (!has_matrix_phase(chain)) return {make_plan(chain)};
-  MatrixChainParts parts = split_matrix_chain(chain);
+namespace {
+std::vector<Plan> part_plans(const MatrixChainParts& parts) {
   std::vector<Plan> plans{make_plan(parts.before), make_plan(parts.after)};
   check_matrix_chain_part1(plans[0]);
   return plans;
+}
+}  // namespace
+
+std::vector<Plan> explain_plans(const Chain& chain) {
+  if (!has_matrix_phase(chain)) return {make_plan(chain)};
+  return part_plans(split_matrix_chain(chain));
 }
 
 std::string explain_text(const Chain& chain, const std::string& backend, bool source) {
   if (backend != "cpu" && backend != "cuda") throw Error("explain: backend must be 'cpu' or 'cuda', got '" + backend + "'");
   if (!has_matrix_phase(chain)) return plan_text(make_plan(chain), backend, source);
-  MatrixChainParts parts = split_matrix_chain(chain);
-  std::vector<Plan> plans = explain_plans(chain);
+  const MatrixChainParts parts = split_matrix_chain(chain);
+  const std::vector<Plan> plans = part_plans(parts);
   std::ostringstream o;
   o << "A chain with a matrix phase (optfuse::MatrixChainOptimizer): part 1's schedule, the matrix phase, part 2's "
        "schedule.\n\n######## part 1 (its parameter role is each tensor's scratch matrix: its update pass writes "

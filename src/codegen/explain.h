@@ -12,7 +12,7 @@ namespace optfuse {
 
 // backend: "cpu" or "cuda" (the generated source's dialect).
 std::string explain_text(const Chain& chain, const std::string& backend, bool source);
-// The plans a chain runs as: one, or a matrix chain's two parts.
+// The plans a chain runs as: one, or a matrix chain's two parts (part 1 checked).
 std::vector<Plan> explain_plans(const Chain& chain);
 
 }  // namespace optfuse

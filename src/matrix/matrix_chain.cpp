@@ -43,8 +43,10 @@ void refuse_other_skips(const Chain& rules, const char* where) {
   Chain others;
   for (const Rule& r : rules)
     if (r.name() != "unscale_by_grad_scale") others.push_back(r);  // skips on found_inf only
-  if (!others.empty() && build_program(others).skip != kNoNode)
-    throw Error(std::string("a rule ") + where + " the matrix rule may skip the step (" + build_program(others).chain_text +
+  if (others.empty()) return;
+  const Program program = build_program(others);
+  if (program.skip != kNoNode)
+    throw Error(std::string("a rule ") + where + " the matrix rule may skip the step (" + program.chain_text +
                 "): both parts of a chain with a matrix phase skip together, on found_inf only");
 }
 
@@ -76,7 +78,6 @@ struct MatrixChainOptimizer::State {
   Optimizer before, after;
   std::string matrix_signature;
   std::vector<Bucket> buckets;
-  std::vector<TensorRef> tensors;
 
   State(Backend b, NewtonSchulzOptions o, const Chain& c1, const Chain& c2, int groups, std::string sig)
       : backend(b), options(o), before(c1, b, groups), after(c2, b, groups), matrix_signature(std::move(sig)) {}
@@ -269,13 +270,11 @@ void MatrixChainOptimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     throw;
   }
   if (!same) s.buckets = std::move(buckets);
-  s.tensors = tensors;
 }
 
 void MatrixChainOptimizer::set_grad_pointers(const std::vector<const void*>& grads) {
   if (!s_) moved_from();
-  s_->before.set_grad_pointers(grads);
-  for (size_t t = 0; t < grads.size() && t < s_->tensors.size(); ++t) s_->tensors[t].grad.data = const_cast<void*>(grads[t]);
+  s_->before.set_grad_pointers(grads);  // only part 1 reads the gradients
 }
 
 void MatrixChainOptimizer::step(const StepInputs& inputs) {

@@ -1,6 +1,5 @@
 #include "optfuse/newton_schulz.h"
 
-#include <cmath>
 #include <limits>
 
 #include "matrix/gemm_libraries.h"
@@ -32,11 +31,7 @@ void validate(const MatrixBatchShape& s, const NewtonSchulzOptions& o) {
   if (s.rows > kMax || s.cols > kMax || s.batch > kMax || s.rows * s.cols > (int64_t{1} << 40))
     throw Error("NewtonSchulz: matrices of " + std::to_string(s.rows) + " x " + std::to_string(s.cols) +
                 " (batch " + std::to_string(s.batch) + ") are too large for a GEMM library call");
-  if (o.steps < 0 || o.steps >= 100)
-    throw Error("NewtonSchulz: steps must be in [0, 100) (torch.optim.Muon's limit), got " + std::to_string(o.steps));
-  for (double c : o.coefficients)
-    if (!std::isfinite(c)) throw Error("NewtonSchulz: coefficients must be finite");
-  if (!(o.eps >= 0) || !std::isfinite(o.eps)) throw Error("NewtonSchulz: eps must be finite and >= 0");
+  if (const std::string why = o.problem(); !why.empty()) throw Error("NewtonSchulz: " + why);
 }
 
 }  // namespace

@@ -18,21 +18,6 @@ void round_all_bf16(std::vector<float>& v) {
   for (float& x : v) x = round_bf16(x);
 }
 
-float load(const void* base, DType t, int64_t i) {
-  switch (t) {
-    case DType::f32: return static_cast<const float*>(base)[i];
-    case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-    default: return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-void store(void* base, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::f32: static_cast<float*>(base)[i] = v; break;
-    case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(v); break;
-    default: static_cast<uint16_t*>(base)[i] = float_to_f16_bits(v); break;
-  }
-}
-
 class CpuNewtonSchulz final : public NewtonSchulz::Impl {
  public:
   using Impl::Impl;
@@ -56,7 +41,7 @@ class CpuNewtonSchulz final : public NewtonSchulz::Impl {
     double sum_sq = 0;
     for (int i = 0; i < s; ++i)
       for (int j = 0; j < l; ++j) {
-        const float v = round_bf16(load(data, shape.dtype, first + index_in_m(i, j)));
+        const float v = round_bf16(static_cast<float>(load_element(data, shape.dtype, first + index_in_m(i, j))));
         x_[static_cast<size_t>(i) * l + j] = v;
         sum_sq += static_cast<double>(v) * v;
       }
@@ -81,7 +66,7 @@ class CpuNewtonSchulz final : public NewtonSchulz::Impl {
       std::swap(x_, next_);
     }
     for (int i = 0; i < s; ++i)
-      for (int j = 0; j < l; ++j) store(data, shape.dtype, first + index_in_m(i, j), x_[static_cast<size_t>(i) * l + j]);
+      for (int j = 0; j < l; ++j) store_element(data, shape.dtype, first + index_in_m(i, j), x_[static_cast<size_t>(i) * l + j]);
   }
 
   std::vector<float> x_, next_, a_, b_;

@@ -105,14 +105,18 @@ Rule& Rule::note(const std::string& text) {
   return *this;
 }
 
+std::string NewtonSchulzOptions::problem() const {
+  if (steps < 0 || steps >= 100)
+    return "Newton-Schulz steps must be in [0, 100) (torch.optim.Muon's limit), got " + std::to_string(steps);
+  for (double c : coefficients)
+    if (!std::isfinite(c)) return "Newton-Schulz coefficients must be finite";
+  if (!(eps >= 0) || !std::isfinite(eps)) return "Newton-Schulz eps must be finite and >= 0";
+  return "";
+}
+
 Rule& Rule::matrix_phase(const NewtonSchulzOptions& options) {
   if (fn_) throw Error("rule " + name_ + ": a matrix rule has no update function");
-  if (options.steps < 0 || options.steps >= 100)
-    throw Error("rule " + name_ + ": Newton-Schulz steps must be in [0, 100), got " + std::to_string(options.steps));
-  for (double c : options.coefficients)
-    if (!std::isfinite(c)) throw Error("rule " + name_ + ": Newton-Schulz coefficients must be finite");
-  if (!(options.eps >= 0) || !std::isfinite(options.eps))
-    throw Error("rule " + name_ + ": Newton-Schulz eps must be finite and >= 0");
+  if (const std::string why = options.problem(); !why.empty()) throw Error("rule " + name_ + ": " + why);
   has_matrix_ = true;
   matrix_ = options;
   return *this;

@@ -5,18 +5,20 @@
 
 #include <cmath>
 #include <cstdio>
-#include <random>
 #include <vector>
 
 #include "optfuse/dtype.h"
 #include "optfuse/error.h"
 #include "optfuse/newton_schulz.h"
+#include "testing/error_of.h"
+#include "testing/random_values.h"
 
 namespace {
 
 using optfuse::Backend;
 using optfuse::DType;
 using optfuse::NewtonSchulz;
+using optfuse::testing::error_of;
 
 float bf(float x) { return optfuse::bf16_bits_to_float(optfuse::float_to_bf16_bits(x)); }
 
@@ -27,11 +29,7 @@ float bf(float x) { return optfuse::bf16_bits_to_float(optfuse::float_to_bf16_bi
   } while (0)
 
 std::vector<float> random_matrix(int64_t n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = d(gen);
-  return v;
+  return optfuse::testing::normal_values(static_cast<size_t>(n), seed);
 }
 
 // torch.optim.Muon's _zeropower_via_newtonschulz for one wide (rows <= cols) row-major matrix, each
@@ -159,24 +157,16 @@ TEST(NewtonSchulz, ZeroStepsOnlyNormalisesAndAZeroMatrixStaysZero) {
 }
 
 TEST(NewtonSchulz, BadInputIsRefusedWithAClearError) {
-  auto message = [](auto&& f) {
-    try {
-      f();
-    } catch (const optfuse::Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
   optfuse::NewtonSchulzOptions many;
   many.steps = 100;
-  EXPECT_NE(message([&] { NewtonSchulz(Backend::cpu, {DType::f32, 1, 4, 4}, many); }).find("steps"), std::string::npos);
-  EXPECT_NE(message([&] { NewtonSchulz(Backend::cpu, {DType::i16, 1, 4, 4}); }).find("float32"), std::string::npos);
-  EXPECT_NE(message([&] { NewtonSchulz(Backend::cpu, {DType::f32, 0, 4, 4}); }).find("positive"), std::string::npos);
-  EXPECT_NE(message([&] { NewtonSchulz(Backend::reference, {DType::f32, 1, 4, 4}); }).find("reference"),
+  EXPECT_NE(error_of([&] { NewtonSchulz(Backend::cpu, {DType::f32, 1, 4, 4}, many); }).find("steps"), std::string::npos);
+  EXPECT_NE(error_of([&] { NewtonSchulz(Backend::cpu, {DType::i16, 1, 4, 4}); }).find("float32"), std::string::npos);
+  EXPECT_NE(error_of([&] { NewtonSchulz(Backend::cpu, {DType::f32, 0, 4, 4}); }).find("positive"), std::string::npos);
+  EXPECT_NE(error_of([&] { NewtonSchulz(Backend::reference, {DType::f32, 1, 4, 4}); }).find("reference"),
             std::string::npos);
   optfuse::NewtonSchulzOptions nan;
   nan.coefficients[1] = NAN;
-  EXPECT_NE(message([&] { NewtonSchulz(Backend::cpu, {DType::f32, 1, 4, 4}, nan); }).find("finite"), std::string::npos);
+  EXPECT_NE(error_of([&] { NewtonSchulz(Backend::cpu, {DType::f32, 1, 4, 4}, nan); }).find("finite"), std::string::npos);
 }
 
 TEST(NewtonSchulz, FlopsCountTheThreeProductsOfEveryStep) {

@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <random>
 #include <vector>
 
 #include "cuda/require_cuda.h"
@@ -15,6 +14,7 @@
 #include "optfuse/matrix_chain.h"
 #include "optfuse/newton_schulz.h"
 #include "runtime/cuda_api.h"
+#include "testing/random_values.h"
 
 namespace {
 
@@ -22,6 +22,8 @@ namespace cu = optfuse::cuda;
 using optfuse::Backend;
 using optfuse::DType;
 using optfuse::NewtonSchulz;
+using optfuse::testing::largest_abs;
+using optfuse::testing::largest_difference;
 
 TEST(NewtonSchulzCuda, KernelsCompileWithNvrtc) {
   REQUIRE_NVRTC();
@@ -42,13 +44,7 @@ TEST(NewtonSchulzCuda, KernelsCompileWithNvrtc) {
     if (!optfuse::gemm_available(Backend::cpu, &why_)) GTEST_SKIP() << why_;    \
   } while (0)
 
-std::vector<float> random_matrix(size_t n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(gen);
-  return v;
-}
+std::vector<float> random_matrix(size_t n, unsigned seed) { return optfuse::testing::normal_values(n, seed); }
 
 // Runs the batch through NewtonSchulz on the GPU (float32 storage) and returns it.
 std::vector<float> on_gpu(const std::vector<float>& host, optfuse::MatrixBatchShape shape, int runs = 1) {
@@ -64,18 +60,6 @@ std::vector<float> on_gpu(const std::vector<float>& host, optfuse::MatrixBatchSh
   return out;
 }
 
-double largest_entry(const std::vector<float>& a) {
-  double w = 0;
-  for (float x : a) w = std::max(w, double(std::fabs(x)));
-  return w;
-}
-
-double largest_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double w = 0;
-  for (size_t i = 0; i < a.size(); ++i) w = std::max(w, double(std::fabs(a[i] - b[i])));
-  return w;
-}
-
 TEST(NewtonSchulzCuda, AgreesWithTheCpuPathWithinBf16Rounding) {
   REQUIRE_CUBLAS();
   for (auto [b, r, c] : {std::tuple{3, 64, 96}, std::tuple{2, 160, 48}, std::tuple{1, 768, 768}}) {
@@ -83,7 +67,7 @@ TEST(NewtonSchulzCuda, AgreesWithTheCpuPathWithinBf16Rounding) {
     std::vector<float> m = random_matrix(size_t(b) * r * c, 7), cpu = m;
     std::vector<float> gpu = on_gpu(m, shape);
     NewtonSchulz(Backend::cpu, shape).run(cpu.data());
-    const double w = largest_difference(gpu, cpu), top = largest_entry(cpu);
+    const double w = largest_difference(gpu, cpu), top = largest_abs(cpu);
     std::printf("%d x %d x %d: largest GPU-CPU difference %.3g (largest entry %.3g)\n", b, r, c, w, top);
     // The libraries sum the products in other orders, so some bf16 roundings flip and five
     // iterations carry them on: within 4 bf16 ulps of the largest entry (a bf16 ulp is 2^-7 to 2^-8
@@ -103,7 +87,7 @@ TEST(NewtonSchulzCuda, RepeatsBitwiseAndTallIsWideTransposed) {
   std::vector<float> w = on_gpu(wide, {DType::f32, 1, c, r}), back(w.size());
   for (int i = 0; i < r; ++i)
     for (int j = 0; j < c; ++j) back[size_t(i) * c + j] = w[size_t(j) * r + i];
-  EXPECT_LE(largest_difference(once, back), largest_entry(back) / 32);  // as above
+  EXPECT_LE(largest_difference(once, back), largest_abs(back) / 32);  // as above
 }
 
 TEST(NewtonSchulzCuda, Bf16StorageHoldsTheSameValuesAsFloat32) {

@@ -526,7 +526,7 @@ def test_grad_scaler_unscales_and_skips_like_torch(device):
 @requires_cuda
 def test_cuda_graph_capture_is_refused_clearly():
     """Capturing a Muon step would replay the capture-time hyperparameters for ever (they are pushed
-    from the host each step): refused with a clear error, nothing is left half-captured."""
+    from the host each step): refused with a clear error, and eager steps work afterwards."""
     model = make_mlp(torch.device("cuda"))
     opt = oft.Muon(model.parameters(), lr=0.02)
     train(model, opt, 2, torch.device("cuda"))

@@ -36,6 +36,7 @@ model has 4 buckets, Llama-1B-like shapes 4, instead of torch's dozen kernels an
 products per parameter.
 """
 import collections
+import contextlib
 import math
 import os
 import struct
@@ -218,6 +219,12 @@ def _matrix_phase_engine(device):
 _GEMM_AVAILABLE = {}
 
 
+def _on_device(device):
+    """torch.cuda.device(device) for a CUDA device (the core works in the current device's context),
+    nothing for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class _Bucket:
     """Same-shape matrices of one device and dtype with the same Newton-Schulz settings: their
     scratch is one (B, m, n) tensor, orthogonalised together, in place: by the core's matrix phase
@@ -231,23 +238,18 @@ class _Bucket:
         coefficients, steps, eps, use_addmm = ns
         self.core = None
         if use_addmm and _matrix_phase_engine(device) == "core":
-            make = lambda: _core.NewtonSchulz(device.type, dtype_code(self.scratch), count, shape[0], shape[1],  # noqa: E731
-                                              tuple(coefficients), steps, eps)
-            if device.type == "cuda":
-                with torch.cuda.device(device):  # the core builds for the current device's context
-                    self.core = make()
-            else:
-                self.core = make()
+            with _on_device(device):  # the core builds for the current device's context
+                self.core = _core.NewtonSchulz(device.type, dtype_code(self.scratch), count, shape[0], shape[1],
+                                               tuple(coefficients), steps, eps)
 
     def orthogonalise(self):
         if self.core is None:
             coefficients, steps, eps, use_addmm = self.ns
             self.scratch.copy_(newton_schulz_batched(self.scratch, coefficients, steps, eps, use_addmm))
-        elif self.scratch.is_cuda:
-            with torch.cuda.device(self.scratch.device):
-                self.core.run(self.scratch.data_ptr(), torch.cuda.current_stream().cuda_stream)
-        else:
-            self.core.run(self.scratch.data_ptr())
+            return
+        with _on_device(self.scratch.device):
+            stream = torch.cuda.current_stream().cuda_stream if self.scratch.is_cuda else 0
+            self.core.run(self.scratch.data_ptr(), stream)
 
 
 class Muon(torch.optim.Optimizer):
@@ -311,7 +313,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         groups = self.param_groups
-        if any(p.is_cuda for g in groups for p in g["params"]) and torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             # its hyperparameters are host values pushed at each step (a tensor lr is read with float()),
             # so a replayed graph would keep the capture-time values whatever a scheduler sets later
             raise OptfuseError(f"{type(self).__name__}: step() cannot be captured in a CUDA graph (not built for "
