@@ -33,6 +33,10 @@ if ! command -v nvcc >/dev/null && [ ! -f /usr/local/cuda/include/cuda.h ]; then
   echo "setup: the CUDA toolkit (cuda.h, NVRTC) was not found; install it (https://developer.nvidia.com/cuda-downloads)" >&2
   exit 1
 fi
+# The matrix phase includes cuBLAS's header for its types (the library itself is loaded at run time).
+cuda_include="$(dirname "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")/../include"
+[ -f "$cuda_include/cublas_api.h" ] ||
+  echo "setup: warning: cublas_api.h is not in $cuda_include; the build needs the CUDA toolkit's cuBLAS headers" >&2
 
 py_missing=()
 for mod in nanobind scikit_build_core numpy pytest matplotlib torch expecttest; do
