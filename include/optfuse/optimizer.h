@@ -59,6 +59,12 @@ struct TensorRef {
   // columns (a row-major tensor's last dimension), dividing numel. 0: no view; the tensor is then
   // one column of numel rows (a vector's rows are its elements).
   int64_t cols = 0;
+  // The rows of each matrix of the view, for tensors of more than 2 dimensions: the view is then a
+  // batch of numel / (matrix_rows * cols) matrices, one after another (torch's Adafactor factors
+  // the last two dimensions of each). Column values and states are per matrix and column (batch x
+  // cols of them), Op::Shape's rows is matrix_rows, and a sum of row or column values is over one
+  // matrix. 0: the view is one matrix.
+  int64_t matrix_rows = 0;
 };
 
 struct StepInputs {

@@ -92,17 +92,19 @@ class PyOptimizer {
                        const std::vector<int>& dtypes, const std::vector<int>& groups, int device_id,
                        const std::vector<int64_t>& watch_indices, const std::vector<bool>& stochastic,
                        const std::vector<uint64_t>& rng_keys, const std::vector<int64_t>& rng_offsets,
-                       const std::vector<int64_t>& cols) {
+                       const std::vector<int64_t>& cols, const std::vector<int64_t>& matrix_rows) {
     size_t n = params.size(), ns = opt_->plan().program.states.size(), roles = 2 + ns;
     if (grads.size() != n || numels.size() != n || dtypes.size() != n * roles || groups.size() != n ||
         states.size() != n * ns || (!watch_indices.empty() && watch_indices.size() != n) ||
         (!stochastic.empty() && stochastic.size() != n * roles) || (!rng_keys.empty() && rng_keys.size() != n) ||
-        (!rng_offsets.empty() && rng_offsets.size() != n) || (!cols.empty() && cols.size() != n))
+        (!rng_offsets.empty() && rng_offsets.size() != n) || (!cols.empty() && cols.size() != n) ||
+        (!matrix_rows.empty() && matrix_rows.size() != n))
       throw Error("_set_tensors_raw: inconsistent list lengths");
     const auto& specs = opt_->plan().program.states;
     std::vector<TensorRef> refs(n);
     for (size_t i = 0; i < n; ++i) {
       if (!cols.empty()) refs[i].cols = cols[i];
+      if (!matrix_rows.empty()) refs[i].matrix_rows = matrix_rows[i];
       auto buf = [&](uint64_t ptr, size_t role) {
         int code = dtypes[i * roles + role];
         if (code < 0 || code >= kNumDTypes) throw Error("_set_tensors_raw: bad dtype code " + std::to_string(code));
@@ -563,7 +565,7 @@ void bind_optimizer(nb::module_& m) {
       .def("backend_status", [](PyOptimizer& o) { return o.get().backend_status(); })
       .def("_set_tensors_raw", &PyOptimizer::set_tensors_raw, "params"_a, "grads"_a, "states"_a, "numels"_a, "dtypes"_a,
            "groups"_a, "device_id"_a, "watch_indices"_a, "stochastic"_a, "rng_keys"_a, "rng_offsets"_a,
-           "cols"_a = std::vector<int64_t>())
+           "cols"_a = std::vector<int64_t>(), "matrix_rows"_a = std::vector<int64_t>())
       .def("_patch_pointers", &PyOptimizer::patch_pointers, "params"_a.none(), "grads"_a.none(), "states"_a.none())
       .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
       .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)

@@ -48,13 +48,16 @@ struct OfTensor {
   unsigned long long rng_key; long long rng_offset;
 };
 struct OfChunk { long long begin; int tensor; int length; };
-// A matrix plan's tensor: its matrix view and where its rows, columns and column partials are in
-// the row and column tables (DeviceMatrix in runtime/matrix_tables.h).
-struct OfMatrix { long long cols, is_matrix, row_offset, col_offset, colpart_offset; };
+// A matrix plan's tensor: its matrix view (a batch of matrices of matrix_rows rows) and where its
+// rows, columns, column partials and matrices are in the row, column and matrix-sum tables
+// (DeviceMatrix in runtime/matrix_tables.h). Column b * cols + c is column c of matrix b.
+struct OfMatrix {
+  long long cols, is_matrix, row_offset, col_offset, colpart_offset, matrix_rows, chunks_per_matrix, matrix_offset;
+};
 // A matrix plan's tensor values read its shape (Op::Shape, in ShapeItem order; the interpreter's
-// shape_values): numel, rows, columns, whether it has a matrix view.
+// shape_values): numel, rows of a matrix, columns, whether it has a matrix view.
 OF_FN void of_shape(const OfTensor& t, const OfMatrix& m, double* shape) {
-  shape[0] = (double)t.numel; shape[1] = (double)(t.numel / m.cols); shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
+  shape[0] = (double)t.numel; shape[1] = (double)m.matrix_rows; shape[2] = (double)m.cols; shape[3] = (double)m.is_matrix;
 }
 // Where a group's hyperparameter is read from: ptr == 0: the table; else a float32 (type 0) or
 // float64 (type 1) scalar (HyperSource in runtime/executor.h).

@@ -334,16 +334,18 @@ std::string CPrinter::tensor_function(size_t phase) const {
   const int limit = plan_.value_level_limit(plan_.phases.at(phase));
   std::ostringstream s;
   s << "\n// phase " << phase << ": values of one tensor (from its group's derived row and its reductions), float64 math\n";
-  // A matrix plan's tensor values may read the tensor's shape (Op::Shape): numel, rows, cols, is_matrix.
+  // A matrix plan's tensor values may read the tensor's shape (Op::Shape: numel, rows of a matrix,
+  // cols, is_matrix) and the sums of row and column values of the matrix they are for (`sums`).
   const bool shaped = plan_.matrix();
   s << "OF_FN void of_phase" << phase << "_tensor(const double* derived, const double* reductions, "
-    << (shaped ? "const double* shape, " : "") << "float* u) {\n";
+    << (shaped ? "const double* sums, const double* shape, " : "") << "float* u) {\n";
   std::set<NodeId> declared;
   for (size_t i = 0; i < g.size(); ++i) {
     if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) {
-      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = reductions["
+      s << "  const double " << value_name(static_cast<NodeId>(i)) << " = "
+        << (plan_.is_value_reduction(static_cast<NodeId>(i)) ? "sums[" : "reductions[")
         << plan_.reduction_area_slot[plan_.reduction_index(static_cast<NodeId>(i))] << "];\n";
       continue;
     }
@@ -363,7 +365,7 @@ std::string CPrinter::tensor_function(size_t phase) const {
   for (size_t k = 0; k < plan_.tensor_derived.size(); ++k)
     if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit)
       s << "  u[" << k << "] = (float)" << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k << "] of the element function\n";
-  s << "  (void)derived; (void)reductions; (void)u;" << (shaped ? " (void)shape;" : "") << "\n}\n";
+  s << "  (void)derived; (void)reductions; (void)u;" << (shaped ? " (void)sums; (void)shape;" : "") << "\n}\n";
   return s.str();
 }
 

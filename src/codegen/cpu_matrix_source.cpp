@@ -39,19 +39,21 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   s << "\n// Phase " << i << ", variant " << k << " of a matrix plan: " << describe_variant(var, roles) << "\n"
     << "static void of_phase" << i << "_v" << k
     << "_mchunk(const OfTensor& t, const OfMatrix& m, long long chunk_in_tensor, long long begin, int len, "
-       "const double* derived_row, const double* tensor_row, double step, double* acc, double* row_red, "
-       "double* col_part, const double* row_val, const double* col_val) {\n"
+       "const double* derived_row, const double* tensor_row, const double* sums_row, double step, double* acc, "
+       "double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
     << "  float u[" << nvalues << "] = {0.0f};\n"
     << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
   if (L.tensor_values > 0)
     s << "  double shape[4];\n  of_shape(t, m, shape);\n"
-      << "  of_phase" << i << "_tensor(derived_row, tensor_row, shape, u + " << plan.derived.size() << ");  // this tensor's values\n";
+      << "  of_phase" << i << "_tensor(derived_row, tensor_row, sums_row, shape, u + " << plan.derived.size()
+      << ");  // the values of this tensor (and of this chunk's matrix)\n";
   s << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
+    << "  const long long col0 = m.col_offset + r0 / m.matrix_rows * C;  // its matrix's first column\n"
     << "  const int rows = (int)(len / C);\n"
     << "  const long long first_elem = t.rng_offset + begin;\n"
     << "  const unsigned long long rng = "
     << (phase_rounds_stochastically(rr, var) ? "of_rng_base(t.rng_key, (unsigned long long)step)" : "0") << ";\n"
-    << "  (void)tensor_row; (void)step; (void)rng; (void)first_elem; (void)row_red; (void)col_part; (void)row_val; (void)col_val;\n";
+    << "  (void)tensor_row; (void)sums_row; (void)col0; (void)step; (void)rng; (void)first_elem; (void)row_red; (void)col_part; (void)row_val; (void)col_val;\n";
   for (int r : rr.used) {
     const std::string type = storage_type(var[static_cast<size_t>(r)].dtype);
     s << "  " << type << "* __restrict " << roles[static_cast<size_t>(r)] << "_p = (" << type << "*)t.ptr[" << r << "] + begin;\n";
@@ -70,7 +72,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "    const long long e0 = (long long)r * C;\n"
     << "    for (long long c = 0; c < C; ++c) {\n";
   for (size_t q = 0; q < plan.col_derived.size(); ++q)
-    s << "      u[" << plan.derived_slot.at(plan.col_derived[q]) << "] = (float)col_val[(m.col_offset + c) * OF_COL_VALUES + " << q
+    s << "      u[" << plan.derived_slot.at(plan.col_derived[q]) << "] = (float)col_val[(col0 + c) * OF_COL_VALUES + " << q
       << "];\n";
   s << "      double a[" << nred << "];\n";
   if (reds.empty()) s << "      a[0] = 0.0;\n";
@@ -105,16 +107,18 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
     << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
        " const double* skip, const double* steps, int derived_per_group, const double* tensor_reductions,"
        " int tensor_reductions_per_tensor, double* partials, long long num_chunks, const OfMatrix* mats,"
-       " double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
+       " double* row_red, double* col_part, const double* row_val, const double* col_val, const double* matrix_sums) {\n"
     << "  for (long long c = first; c < last; ++c) {\n"
     << "    const OfChunk ch = chunks[c];\n    const OfTensor& t = tensors[ch.tensor];\n";
   if (ph.kind == ElementPhase::Kind::Update) s << "    if (skip[t.group] != 0.0) continue;\n";
   s << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
     << "    const double* trow = tensor_reductions + (long long)ch.tensor * tensor_reductions_per_tensor;\n"
+    << "    const OfMatrix& m = mats[ch.tensor];  // the chunk's matrix (whole rows of one): its sums of row and column values\n"
+    << "    const double* srow = matrix_sums + (m.matrix_offset + ch.begin / m.cols / m.matrix_rows) * tensor_reductions_per_tensor;\n"
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0};\n"
     << "    switch (t.variant) {\n";
   for (size_t k = 0; k < variants.size(); ++k)
-    s << "      case " << k << ": of_phase" << i << "_v" << k << "_mchunk(t, mats[ch.tensor], c - t.first_chunk, ch.begin, ch.length, row, trow, "
+    s << "      case " << k << ": of_phase" << i << "_v" << k << "_mchunk(t, m, c - t.first_chunk, ch.begin, ch.length, row, trow, srow, "
       << "steps[t.group], acc, row_red, col_part, row_val, col_val); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";

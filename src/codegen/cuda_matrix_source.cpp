@@ -118,8 +118,9 @@ std::string cuda_matrix_prelude(const Plan& plan) {
     << R"(// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
 struct OfMatrixTables {
   const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
-  double* item_sums;   // [item][OF_TENSOR_REDUCTIONS]: a row item's per-tensor sums of row values
-  unsigned* finished;  // per tensor: its row items done this step (the last one resets it)
+  double* item_sums;    // [item][OF_TENSOR_REDUCTIONS]: a row item's sums of row values
+  unsigned* finished;   // per matrix of a view: its row items done this step (the last one resets it)
+  double* matrix_sums;  // [matrix][OF_TENSOR_REDUCTIONS]: each matrix's sums of row values
 };
 struct OfValueItem { int tensor, begin, count, rows, first, items; };  // ValueItem
 // Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that).
@@ -174,9 +175,10 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
        "unsigned long long rng, long long chunk_in_tensor, const OfMatrixTables& mt, double* srow, double* racc, "
        "double* scratch) {\n"
     << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
+    << "  const long long col0 = m.col_offset + r0 / m.matrix_rows * C;  // its matrix's first column\n"
     << "  const int rows = (int)(len / C);\n"
     << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);\n"
-    << "  (void)rng; (void)rng_first; (void)grad; (void)srow; (void)racc; (void)scratch; (void)chunk_in_tensor;\n";
+    << "  (void)rng; (void)rng_first; (void)col0; (void)grad; (void)srow; (void)racc; (void)scratch; (void)chunk_in_tensor;\n";
   for (int r : pr.used)
     s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)"
       << (r == 1 ? std::string("grad") : "t.ptr[" + std::to_string(r) + "]") << " + begin;\n";
@@ -204,7 +206,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
   };
   auto col_values = [&](const std::string& col, const std::string& ind) {
     return plan.layout.col_values == 0 ? std::string()
-           : ind + "for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = mt.col_val[(m.col_offset + " + col +
+           : ind + "for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = mt.col_val[(col0 + " + col +
                  ") * OF_COL_VALUES + q];\n";
   };
   // Tensor and global reductions: each thread's own accumulators, as in every other loop.
@@ -257,7 +259,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     if (plan.layout.col_values > 0)
       o << ind << "  float colv[" << W << "][OF_COL_VALUES_ARRAY];\n"
         << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
-        << ind << "      for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(m.col_offset + c0 + w) * OF_COL_VALUES + q];\n";
+        << ind << "      for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + c0 + w) * OF_COL_VALUES + q];\n";
     if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
     o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
     for (int r : pr.reads) o << ind << "    float in" << r << "[" + U + "][" << W << "];\n";
@@ -355,12 +357,13 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
   const Program& p = plan.program;
   std::ostringstream s;
   s << "\n// The Commit step of the update pass for one chunk (variant " << k << "): its rows' Rows states and, the\n"
-    << "// tensor's first chunk, its Cols states, from the value tables (a skipped group's chunks never get here)\n"
+    << "// first chunk of its matrix, the matrix's Cols states, from the value tables (a skipped group's chunks never get here)\n"
     << "__device__ __forceinline__ void of_phase" << i << "_v" << k
     << "_commit(const OfTensor& t, const OfMatrix& m, long long begin, int len, long long chunk_in_tensor, "
        "const OfMatrixTables& mt) {\n"
-    << "  const long long C = m.cols, r0 = begin / C;\n  const int rows = (int)(len / C);\n"
-    << "  (void)t; (void)rows; (void)r0; (void)chunk_in_tensor; (void)mt;\n";
+    << "  const long long C = m.cols, r0 = begin / C, c0 = r0 / m.matrix_rows * C;  // c0: its matrix's first column\n"
+    << "  const int rows = (int)(len / C);\n"
+    << "  (void)t; (void)rows; (void)r0; (void)c0; (void)chunk_in_tensor; (void)mt;\n";
   for (size_t st = 0; st < p.states.size(); ++st) {
     const StateShape shape = p.states[st].shape;
     if (shape == StateShape::Full) continue;
@@ -372,13 +375,13 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
       value = c_literal(p.graph.node(out).value, true);
     } else {
       const size_t q = plan.line_value_index(out);
-      value = cols ? "mt.col_val[(m.col_offset + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
+      value = cols ? "mt.col_val[(m.col_offset + c0 + x) * OF_COL_VALUES + " + std::to_string(q) + "]"
                    : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
     }
     s << "  // " << p.states[st].qualified << "\n";
-    if (cols) s << "  if (chunk_in_tensor == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
+    if (cols) s << "  if (chunk_in_tensor % m.chunks_per_matrix == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
     else s << "  for (int x = threadIdx.x; x < rows; x += OF_THREADS)\n";
-    s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "x" : "r0 + x")
+    s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "c0 + x" : "r0 + x")
       << ", " << value << ");\n";
   }
   s << "}\n";
@@ -429,16 +432,21 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
     << "    float u[OF_VALUES_ARRAY];\n"
     << "    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n"
-    << "    double shape[4];\n    of_shape(t, m, shape);\n";
+    << "    double shape[4];\n    of_shape(t, m, shape);\n"
+    << "    const long long C = m.cols;\n"
+    << "    const long long mb = item.rows ? item.begin / m.matrix_rows : item.begin / C;  // the item's matrix\n"
+    << "    double* const msums = mt.matrix_sums + (m.matrix_offset + mb) * OF_TENSOR_REDUCTIONS;\n";
   if (L.tensor_values > 0)
-    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, shape, u + OF_DERIVED);\n";
-  s << "    const long long C = m.cols;\n"
+    s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, msums, shape, u + OF_DERIVED);\n";
+  s << "    (void)msums;\n"
     << "    float st[OF_ROLES];\n    float out[OF_ROW_VALUES_ARRAY > OF_COL_VALUES_ARRAY ? OF_ROW_VALUES_ARRAY : OF_COL_VALUES_ARRAY];\n"
     << "    double sums[OF_TENSOR_REDUCTIONS_ARRAY] = {0.0};\n"
     << "    if (!item.rows) {\n"
-    << "      // Columns: lane l takes column begin + l; warp w its chunk partials w, w + 8, ... (in order),\n"
-    << "      // then warp 0 the warps' sums in order: a fixed order, whatever the grid.\n"
-    << "      const long long c = item.begin + lane;\n      const bool on = lane < item.count;\n";
+    << "      // Columns: lane l takes column begin + l (of the view's matrices x C); warp w the partials of\n"
+    << "      // the matrix's chunks w, w + 8, ... (in order), then warp 0 the warps' sums in order: a fixed\n"
+    << "      // order, whatever the grid.\n"
+    << "      const long long c = item.begin + lane, cm = c - mb * C;  // cm: the column within its matrix\n"
+    << "      const bool on = lane < item.count;\n      (void)cm;\n";
   std::vector<LineFold> combined;  // column reductions produced by the pass just run
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
@@ -446,8 +454,8 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   }
   for (const LineFold& f : combined)
     s << "      {\n        double sum = 0.0;\n"
-      << "        if (on)\n          for (int q = warp; q < t.num_chunks; q += OF_THREADS / 32)\n"
-      << "            " << fold(f.max, "sum", "mt.col_part[(m.colpart_offset + q * C + c) * OF_COL_REDS + " + std::to_string(f.slot) + "]")
+      << "        if (on)\n          for (long long q = warp; q < m.chunks_per_matrix; q += OF_THREADS / 32)\n"
+      << "            " << fold(f.max, "sum", "mt.col_part[(m.colpart_offset + (mb * m.chunks_per_matrix + q) * C + cm) * OF_COL_REDS + " + std::to_string(f.slot) + "]")
       << ";\n        colsum[" << f.slot << "][warp][lane] = sum;\n      }\n";
   if (!combined.empty()) s << "      __syncthreads();\n";
   s << "      if (warp == 0 && on) {\n        double red[OF_COL_REDS_ARRAY];\n";
@@ -479,22 +487,22 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
       s << "        mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
   s << "      }\n";
   if (!row_sums.empty()) {
-    // Each row item's sums (a fixed block tree), then the tensor's last row item to finish adds
+    // Each row item's sums (a fixed block tree), then the matrix's last row item to finish adds
     // them in item order: deterministic whichever block is last.
     for (const LineFold& f : row_sums)
       s << "      {\n        const double total = " << block_fold(f.max) << "(sums[" << f.slot << "], scratch);\n"
         << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = total;\n      }\n";
     s << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
-      << "        last_item = atomicAdd(mt.finished + item.tensor, 1u) == (unsigned)item.items - 1u;\n      }\n"
+      << "        last_item = atomicAdd(mt.finished + m.matrix_offset + mb, 1u) == (unsigned)item.items - 1u;\n      }\n"
       << "      __syncthreads();\n"
       << "      if (last_item && threadIdx.x == 0) {\n        __threadfence();\n";
     for (const LineFold& f : row_sums)
       s << "        {\n          double sum = 0.0;\n"
         << "          for (int j = 0; j < item.items; ++j) "
         << fold(f.max, "sum", "mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
-        << ";\n          tensor_reductions[(long long)item.tensor * OF_TENSOR_REDUCTIONS + " << f.slot << "] = " << flag("sum", f.any)
+        << ";\n          msums[" << f.slot << "] = " << flag("sum", f.any)
         << ";\n        }\n";
-    s << "        mt.finished[item.tensor] = 0u;  // ready for the next launch (or graph replay)\n      }\n";
+    s << "        mt.finished[m.matrix_offset + mb] = 0u;  // ready for the next launch (or graph replay)\n      }\n";
   }
   s << "    }\n    __syncthreads();  // colsum, scratch and last_item are reused by the next item\n  }\n"
     << "  (void)tensor_reductions; (void)scratch;\n}\n";

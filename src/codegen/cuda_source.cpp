@@ -443,7 +443,8 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     s << "    const OfMatrix m = mt.m[ch.tensor];\n    double shape[4];\n    of_shape(t, m, shape);\n";
   if (plan.layout.tensor_values > 0)
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, "
-      << (matrix ? "shape, " : "") << "u + OF_DERIVED);\n";
+      << (matrix ? "mt.matrix_sums + (m.matrix_offset + ch.begin / m.cols / m.matrix_rows) * OF_TENSOR_REDUCTIONS, shape, " : "")
+      << "u + OF_DERIVED);\n";
   s
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n";
   if (stochastic)  // the step being taken: the table's count is committed by the last block, after every chunk

@@ -48,12 +48,15 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
       const MatrixLayout& ml = m->layout;
       const size_t cr = static_cast<size_t>(L.col_reductions);
       for (size_t t = 0; t < spans.size(); ++t) {
-        const int64_t cols = ml.cols_of(t);
-        for (int64_t c = 0; c < cols; ++c) {
+        if (spans[t].count == 0) continue;
+        const int64_t C = ml.view_cols[t], per = ml.chunks_per_matrix[t];
+        const int64_t columns = static_cast<int64_t>(spans[t].count) / per * C;
+        for (int64_t x = 0; x < columns; ++x) {  // column c of matrix b: the partials of the matrix's chunks, in order
+          const int64_t b = x / C, c = x % C;
           double acc = 0;
-          for (uint32_t j = 0; j < spans[t].count; ++j)
-            acc = add(acc, m->col_partials[static_cast<size_t>(ml.colpart_offset[t] + j * cols + c) * cr + static_cast<size_t>(slot)]);
-          m->col_reductions[static_cast<size_t>(ml.col_offset[t] + c) * cr + static_cast<size_t>(slot)] = acc;
+          for (int64_t j = b * per; j < (b + 1) * per; ++j)
+            acc = add(acc, m->col_partials[static_cast<size_t>(ml.colpart_offset[t] + j * C + c) * cr + static_cast<size_t>(slot)]);
+          m->col_reductions[static_cast<size_t>(ml.col_offset[t] + x) * cr + static_cast<size_t>(slot)] = acc;
         }
       }
       continue;
@@ -128,11 +131,11 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
 
 std::array<double, 4> shape_values(const TensorRef& t) {
   const MatrixView v = matrix_view(t);
-  return {static_cast<double>(t.param.numel), static_cast<double>(v.rows), static_cast<double>(v.cols), v.is_matrix ? 1.0 : 0.0};
+  return {static_cast<double>(t.param.numel), static_cast<double>(v.matrix_rows), static_cast<double>(v.cols), v.is_matrix ? 1.0 : 0.0};
 }
 
 void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
-                        const double* shape, std::vector<double>& val) {
+                        const double* shape, std::vector<double>& val, const double* sums_row) {
   const Graph& g = plan.program.graph;
   auto input = [&](NodeId in) {
     const Node& n = g.node(in);
@@ -144,7 +147,8 @@ void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, 
     if (plan.kind[i] != ValueKind::Tensor || plan.level[i] > limit) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) {
-      val[i] = reductions_row[plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
+      const bool of_values = sums_row != nullptr && plan.is_value_reduction(static_cast<NodeId>(i));
+      val[i] = (of_values ? sums_row : reductions_row)[plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
       continue;
     }
     if (n.op == Op::Shape) {
@@ -181,11 +185,14 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     const double* derived = table + L.derived_offset(groups) + grp * L.derived_per_group;
     for (size_t d = 0; d < plan.derived.size(); ++d)
       val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
+    // Matrix plans: the chunk's matrix (a chunk holds whole rows of one matrix)
+    const MatrixView view = matrix_view(t);
+    const int64_t matrix = m ? ch.begin / view.cols / view.matrix_rows : 0;
     if (!plan.tensor_derived.empty()) {  // this tensor's values, float64, rounded as they enter element math
       const std::array<double, 4> shape = shape_values(t);
       eval_tensor_values(plan, plan.value_level_limit(phase), derived,
                          tensor_reductions.data() + static_cast<size_t>(ch.tensor) * static_cast<size_t>(L.tensor_reductions),
-                         shape.data(), tensor_val);
+                         shape.data(), tensor_val, m ? m->matrix_sums.data() + m->sums_at(static_cast<size_t>(ch.tensor), matrix) : nullptr);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
     }
     for (size_t i = 0; i < g.size(); ++i)
@@ -202,8 +209,7 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     };
     // Matrix plans: this chunk's rows and column partials (whole rows: rows [r0, r1)).
     const size_t tix = static_cast<size_t>(ch.tensor);
-    const MatrixView view = matrix_view(t);
-    const int64_t row0 = m ? m->layout.row_offset[tix] : 0, col0 = m ? m->layout.col_offset[tix] : 0;
+    const int64_t row0 = m ? m->layout.row_offset[tix] : 0, col0 = m ? m->layout.col_offset[tix] + matrix * view.cols : 0;
     const int64_t part0 = m ? m->layout.colpart_offset[tix] + (static_cast<int64_t>(c) - m->layout.first_chunk[tix]) * view.cols : 0;
     const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
     const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
@@ -301,48 +307,53 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
     if (ref.param.numel == 0) continue;  // no rows: its column (if any) has no values either (as on CUDA)
     const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
     const std::array<double, 4> shape = shape_values(ref);
-    eval_tensor_values(plan, limit, derived, tensor_reductions.data() + t * RT, shape.data(), tensor_val);
-    // Uniform and tensor inputs, rounded to T as they enter row and column math (as element math).
-    for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
-    for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
-    for (size_t i = 0; i < g.size(); ++i)
-      if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     const MatrixView view = matrix_view(ref);
-    for (int side = 0; side < 2; ++side) {  // rows, then columns
-      const bool cols = side == 1;
-      const int64_t count = cols ? view.cols : view.rows, first = cols ? m.layout.col_offset[t] : m.layout.row_offset[t];
-      const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
-      std::vector<double>& values = cols ? m.col_values : m.row_values;
-      const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
-      const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
-      std::vector<double> acc(sums[side].size(), 0.0);
-      for (int64_t x = 0; x < count; ++x) {
-        for (NodeId id : nodes[side]) {
-          const Node& n = g.node(id);
-          const size_t i = static_cast<size_t>(id);
-          if (n.op == Op::State) {
-            const Buffer& b = ref.states[static_cast<size_t>(n.index)];
-            val[i] = static_cast<T>(load_element(b.data, b.dtype, x));
-          } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
-            val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red +
-                                               static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(id)])]);
-          } else {
-            T a = val[static_cast<size_t>(n.in[0])];
-            T b = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
-            T c = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
-            val[i] = apply_op<T>(n.op, a, b, c);
+    for (int64_t b = 0; b < view.matrices; ++b) {  // matrix by matrix: its tensor values read its sums
+      double* sums_row = m.matrix_sums.data() + m.sums_at(t, b);
+      eval_tensor_values(plan, limit, derived, tensor_reductions.data() + t * RT, shape.data(), tensor_val, sums_row);
+      // Uniform and tensor inputs, rounded to T as they enter row and column math (as element math).
+      for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
+      for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
+      for (size_t i = 0; i < g.size(); ++i)
+        if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
+      for (int side = 0; side < 2; ++side) {  // rows, then columns
+        const bool cols = side == 1;
+        const int64_t count = cols ? view.cols : view.matrix_rows;
+        const int64_t first = cols ? m.layout.col_offset[t] + b * view.cols : m.layout.row_offset[t] + b * view.matrix_rows;
+        const int64_t element0 = cols ? b * view.cols : b * view.matrix_rows;  // of the Rows / Cols state
+        const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
+        std::vector<double>& values = cols ? m.col_values : m.row_values;
+        const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
+        const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
+        std::vector<double> acc(sums[side].size(), 0.0);
+        for (int64_t x = 0; x < count; ++x) {
+          for (NodeId id : nodes[side]) {
+            const Node& n = g.node(id);
+            const size_t i = static_cast<size_t>(id);
+            if (n.op == Op::State) {
+              const Buffer& buf = ref.states[static_cast<size_t>(n.index)];
+              val[i] = static_cast<T>(load_element(buf.data, buf.dtype, element0 + x));
+            } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
+              val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red +
+                                                 static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(id)])]);
+            } else {
+              T a = val[static_cast<size_t>(n.in[0])];
+              T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
+              T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
+              val[i] = apply_op<T>(n.op, a, y, z);
+            }
+          }
+          for (size_t k = 0; k < derived_ids.size(); ++k)
+            if (plan.level[static_cast<size_t>(derived_ids[k])] <= limit)
+              values[static_cast<size_t>(first + x) * per_val + k] = static_cast<double>(val[static_cast<size_t>(derived_ids[k])]);
+          for (size_t q = 0; q < sums[side].size(); ++q) {
+            const Node& rn = g.node(sums[side][q]);
+            acc[q] = reduce_add(rn.op, acc[q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
           }
         }
-        for (size_t k = 0; k < derived_ids.size(); ++k)
-          if (plan.level[static_cast<size_t>(derived_ids[k])] <= limit)
-            values[static_cast<size_t>(first + x) * per_val + k] = static_cast<double>(val[static_cast<size_t>(derived_ids[k])]);
-        for (size_t q = 0; q < sums[side].size(); ++q) {
-          const Node& rn = g.node(sums[side][q]);
-          acc[q] = reduce_add(rn.op, acc[q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
-        }
+        for (size_t q = 0; q < sums[side].size(); ++q)
+          sums_row[static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(sums[side][q])])] = acc[q];
       }
-      for (size_t q = 0; q < sums[side].size(); ++q)
-        tensor_reductions[t * RT + static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(sums[side][q])])] = acc[q];
     }
   }
 }
@@ -366,7 +377,7 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
       const bool cols = shape == StateShape::Cols;
       const NodeId out = p.state_out[s];
       const Buffer& b = ref.states[s];
-      const int64_t count = cols ? view.cols : view.rows, first = cols ? m.layout.col_offset[t] : m.layout.row_offset[t];
+      const int64_t count = cols ? view.columns() : view.rows, first = cols ? m.layout.col_offset[t] : m.layout.row_offset[t];
       if (p.graph.node(out).op == Op::Const) {
         for (int64_t x = 0; x < count; ++x) store_element(b.data, b.dtype, x, p.graph.node(out).value);
         continue;

@@ -31,9 +31,11 @@ void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int g
 
 // One tensor's values (ValueKind::Tensor) of level <= limit, float64, into val[node]: from its
 // group's derived row and its row of tensor_reductions. What generated code does per chunk.
-// shape: the tensor's numel, rows, columns and whether it has a matrix view (Op::Shape).
+// shape: the tensor's numel, rows (of one matrix), columns and whether it has a matrix view
+// (Op::Shape). sums_row (matrix plans): the sums of row and column values of the matrix of the
+// view the values are for (MatrixTables::matrix_sums); value reductions are read there.
 void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
-                        const double* shape, std::vector<double>& val);
+                        const double* shape, std::vector<double>& val, const double* sums_row = nullptr);
 // Op::Shape's values for a tensor.
 std::array<double, 4> shape_values(const TensorRef& t);
 
@@ -49,8 +51,9 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
                        std::vector<std::vector<double>>& partials, MatrixTables* m = nullptr);
 
 // The schedule's Values step before pass `phase` of a matrix plan: every tensor's row and column
-// values of the levels the pass may read, into m's value tables, then the per-tensor sums of row
-// or column values of those levels into tensor_reductions. Math in T, as run_element_phase.
+// values of the levels the pass may read, into m's value tables, then each matrix's sums of row
+// or column values of those levels into m.matrix_sums, matrix by matrix. Math in T, as
+// run_element_phase.
 template <class T>
 void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef>& tensors, const double* table,
                      int groups, std::vector<double>& tensor_reductions, MatrixTables& m);

@@ -14,20 +14,22 @@ std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t c
   if (chunk_elems <= 0) throw Error("chunk size must be positive");
   std::vector<Chunk> chunks;
   for (size_t t = 0; t < tensors.size(); ++t) {
-    int64_t n = tensors[t].param.numel;
-    int64_t size = chunk_elems;
+    const int64_t n = tensors[t].param.numel;
+    int64_t size = chunk_elems, span = n;  // chunks of `size` elements, restarting every `span`
     if (whole_rows) {
-      const int64_t cols = matrix_view(tensors[t]).cols;
-      int64_t rows = std::max<int64_t>(1, chunk_elems / cols);
-      if (max_rows > 0 && cols > 1) rows = std::min<int64_t>(rows, max_rows);
-      size = cols * rows;
-      if (size > INT32_MAX) throw Error("tensor " + std::to_string(t) + ": a row of " + std::to_string(cols) +
+      const MatrixView v = matrix_view(tensors[t]);
+      int64_t rows = std::min(std::max<int64_t>(1, chunk_elems / v.cols), std::max<int64_t>(1, v.matrix_rows));
+      if (max_rows > 0 && v.cols > 1) rows = std::min<int64_t>(rows, max_rows);
+      size = v.cols * rows;
+      span = v.matrix_rows * v.cols;  // a chunk never spans two matrices of a batch
+      if (size > INT32_MAX) throw Error("tensor " + std::to_string(t) + ": a row of " + std::to_string(v.cols) +
                                         " columns is longer than a chunk can be (2^31 - 1 elements)");
     }
-    for (int64_t b = 0; b < n; b += size) {
-      int64_t len = n - b < size ? n - b : size;
-      chunks.push_back({b, static_cast<int32_t>(t), static_cast<int32_t>(len)});
-    }
+    for (int64_t m = 0; m < n; m += span)
+      for (int64_t b = m; b < m + span && b < n; b += size) {
+        const int64_t end = std::min(std::min(b + size, m + span), n);
+        chunks.push_back({b, static_cast<int32_t>(t), static_cast<int32_t>(end - b)});
+      }
   }
   return chunks;
 }

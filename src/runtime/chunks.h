@@ -18,8 +18,9 @@ struct Chunk {
 };
 static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it 16 bytes");
 
-// whole_rows (matrix plans): every chunk holds whole rows of its tensor's matrix view
-// (TensorRef::cols): max(1, chunk_elems / cols) of them, so a row longer than chunk_elems is a chunk;
+// whole_rows (matrix plans): every chunk holds whole rows of one matrix of its tensor's matrix view
+// (TensorRef::cols, matrix_rows): max(1, chunk_elems / cols) of them (at most a matrix's), so a row
+// longer than chunk_elems is a chunk, and every matrix of a batch has the same number of chunks;
 // at most max_rows (> 0) where the view has more than one column (the CUDA driver keeps a chunk's
 // row sums in shared memory).
 std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows = false,

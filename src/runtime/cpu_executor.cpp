@@ -27,7 +27,7 @@ using MatrixPhaseFn = void (*)(const void* tensors, const Chunk* chunks, long lo
                                const double* derived, const double* skip, const double* steps, int derived_per_group,
                                const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                                long long num_chunks, const DeviceMatrix* mats, double* row_red, double* col_part,
-                               const double* row_val, const double* col_val);
+                               const double* row_val, const double* col_val, const double* matrix_sums);
 
 class CpuExecutor : public HostExecutor {
  public:
@@ -111,7 +111,7 @@ class CpuExecutor : public HostExecutor {
       default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
         fn(table_words_.data(), chunks_.data(), b, e, derived, skip, steps, L.derived_per_group, tensor_reductions_.data(),
            L.tensor_reductions, phase_partials_.data(), n, mats_.data(), m.row_reductions.data(), m.col_partials.data(),
-           m.row_values.data(), m.col_values.data());
+           m.row_values.data(), m.col_values.data(), m.matrix_sums.data());
       });
     } else {
       PhaseFn fn = fns_[index];

@@ -42,9 +42,9 @@ const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: ch
 // OfMatrixTables (codegen/cuda_matrix_source.cpp) matches.
 struct DeviceMatrixTables {
   uint64_t matrices = 0, row_reductions = 0, col_partials = 0, col_reductions = 0, row_values = 0, col_values = 0;
-  uint64_t item_sums = 0, finished = 0;
+  uint64_t item_sums = 0, finished = 0, matrix_sums = 0;
 };
-static_assert(sizeof(DeviceMatrixTables) == 64, "DeviceMatrixTables is shared with generated code (OfMatrixTables)");
+static_assert(sizeof(DeviceMatrixTables) == 72, "DeviceMatrixTables is shared with generated code (OfMatrixTables)");
 
 // Resident threads per SM by compute capability (the driver's occupancy tables).
 int max_threads_per_sm(int arch) {
@@ -412,7 +412,8 @@ class CudaExecutor : public Executor {
                             bytes(layout.cols, L.col_values, sizeof(float)),
                             std::max<size_t>(1, items.size()) * sizeof(ValueItem),
                             bytes(static_cast<int64_t>(items.size()), L.tensor_reductions, sizeof(double)),
-                            std::max<size_t>(1, tensors.size()) * sizeof(unsigned)};
+                            std::max<size_t>(1, static_cast<size_t>(layout.matrices)) * sizeof(unsigned),
+                            bytes(layout.matrices, L.tensor_reductions, sizeof(double))};
     for (cuda::DeviceBuffer& b : matrix_buffers_) retire(std::move(b));
     matrix_buffers_.clear();
     for (size_t b = 0; b < kNumMatrixBuffers; ++b) {
@@ -426,7 +427,7 @@ class CudaExecutor : public Executor {
     num_items_ = static_cast<int>(items.size());
     auto at = [&](MatrixBuffer b) { return static_cast<uint64_t>(matrix_buffers_[b].ptr()); };
     matrix_tables_ = {at(kMatrices),  at(kRowReductions), at(kColPartials), at(kColReductions),
-                      at(kRowValues), at(kColValues),     at(kItemSums),    at(kFinished)};
+                      at(kRowValues), at(kColValues),     at(kItemSums),    at(kFinished), at(kMatrixSums)};
   }
 
   // A sharded step: a device buffer for every rank's partials and the tensors' global spans.
@@ -618,9 +619,9 @@ class CudaExecutor : public Executor {
   std::vector<CUfunction> value_fns_;      // matrix plans, per phase: of_values<i> (the Values step)
   // Matrix plans: per tensor set, the tables (DeviceMatrix rows, row reductions, column partials,
   // column reductions, row values, column values), the Values step's items, their sums of row
-  // values and the per-tensor counters of finished row items.
+  // values, the per-matrix counters of finished row items and each matrix's sums of row values.
   enum MatrixBuffer { kMatrices, kRowReductions, kColPartials, kColReductions, kRowValues, kColValues, kItems,
-                      kItemSums, kFinished, kNumMatrixBuffers };
+                      kItemSums, kFinished, kMatrixSums, kNumMatrixBuffers };
   std::vector<cuda::DeviceBuffer> matrix_buffers_;
   DeviceMatrixTables matrix_tables_;
   int num_items_ = 0;

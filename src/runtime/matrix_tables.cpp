@@ -11,14 +11,22 @@ MatrixView matrix_view(const TensorRef& t) {
   v.is_matrix = t.cols > 0;
   v.cols = v.is_matrix ? t.cols : 1;
   v.rows = t.param.numel / v.cols;
+  v.matrix_rows = t.matrix_rows > 0 && v.is_matrix ? t.matrix_rows : v.rows;
+  v.matrices = v.matrix_rows > 0 ? v.rows / v.matrix_rows : 1;
   return v;
+}
+
+std::string describe_view(const TensorRef& t) {
+  const MatrixView v = matrix_view(t);
+  const std::string m = std::to_string(v.matrix_rows) + " x " + std::to_string(v.cols);
+  return v.matrices == 1 ? m + " matrix view" : "view as a batch of " + std::to_string(v.matrices) + " " + m + " matrices";
 }
 
 int64_t state_numel(const TensorRef& t, StateShape shape) {
   switch (shape) {
     case StateShape::Full: return t.param.numel;
     case StateShape::Rows: return matrix_view(t).rows;
-    case StateShape::Cols: return matrix_view(t).cols;
+    case StateShape::Cols: return matrix_view(t).columns();
   }
   return t.param.numel;
 }
@@ -31,9 +39,13 @@ MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vec
     m.col_offset.push_back(m.cols);
     m.colpart_offset.push_back(m.colparts);
     m.first_chunk.push_back(spans.at(t).first);
+    m.matrix_offset.push_back(m.matrices);
+    m.view_cols.push_back(v.cols);
+    m.chunks_per_matrix.push_back(std::max<int64_t>(1, static_cast<int64_t>(spans.at(t).count) / std::max<int64_t>(1, v.matrices)));
     m.rows += v.rows;
-    m.cols += v.cols;
+    m.cols += v.columns();
     m.colparts += static_cast<int64_t>(spans.at(t).count) * v.cols;
+    m.matrices += v.matrices;
   }
   return m;
 }
@@ -47,6 +59,9 @@ std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors,
     out[t].row_offset = layout.row_offset[t];
     out[t].col_offset = layout.col_offset[t];
     out[t].colpart_offset = layout.colpart_offset[t];
+    out[t].matrix_rows = v.matrix_rows;
+    out[t].chunks_per_matrix = layout.chunks_per_matrix[t];
+    out[t].matrix_offset = layout.matrix_offset[t];
   }
   return out;
 }
@@ -57,12 +72,15 @@ std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_
     if (tensors[t].param.numel == 0) continue;
     const MatrixView v = matrix_view(tensors[t]);
     const int32_t tensor = static_cast<int32_t>(t);
-    for (int64_t c = 0; c < v.cols; c += cols_per_item)
-      items.push_back({tensor, static_cast<int32_t>(c), static_cast<int32_t>(std::min<int64_t>(cols_per_item, v.cols - c)), 0, 0, 0});
-    const int32_t first = static_cast<int32_t>(items.size());
-    const int32_t n = static_cast<int32_t>((v.rows + rows_per_item - 1) / rows_per_item);
-    for (int64_t r = 0; r < v.rows; r += rows_per_item)
-      items.push_back({tensor, static_cast<int32_t>(r), static_cast<int32_t>(std::min<int64_t>(rows_per_item, v.rows - r)), 1, first, n});
+    auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+    for (int64_t b = 0; b < v.matrices; ++b) {  // items never span two matrices
+      for (int64_t c = 0; c < v.cols; c += cols_per_item)
+        items.push_back({tensor, i32(b * v.cols + c), i32(std::min<int64_t>(cols_per_item, v.cols - c)), 0, 0, 0});
+      const int32_t first = static_cast<int32_t>(items.size());
+      const int32_t n = i32((v.matrix_rows + rows_per_item - 1) / rows_per_item);
+      for (int64_t r = 0; r < v.matrix_rows; r += rows_per_item)
+        items.push_back({tensor, i32(b * v.matrix_rows + r), i32(std::min<int64_t>(rows_per_item, v.matrix_rows - r)), 1, first, n});
+    }
   }
   return items;
 }
@@ -76,6 +94,8 @@ void MatrixTables::build(const Plan& plan, const std::vector<TensorRef>& tensors
   col_reductions.assign(n(layout.cols, L.col_reductions), 0.0);
   row_values.assign(n(layout.rows, L.row_values), 0.0);
   col_values.assign(n(layout.cols, L.col_values), 0.0);
+  sums_per_matrix = static_cast<size_t>(L.tensor_reductions);
+  matrix_sums.assign(n(layout.matrices, L.tensor_reductions), 0.0);
 }
 
 }  // namespace optfuse

@@ -206,6 +206,10 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
     if (r.cols < 0 || (r.cols > 0 && r.param.numel % r.cols != 0))
       throw Error(where + "a matrix view of " + std::to_string(r.cols) + " columns does not divide its " +
                   std::to_string(r.param.numel) + " elements");
+    if (r.matrix_rows < 0 || (r.matrix_rows > 0 && (r.cols == 0 || (r.param.numel / r.cols) % r.matrix_rows != 0)))
+      throw Error(where + "matrices of " + std::to_string(r.matrix_rows) + " rows do not divide its " +
+                  (r.cols == 0 ? std::string("view (a batch of matrices needs cols > 0)")
+                               : std::to_string(r.param.numel / r.cols) + " rows of " + std::to_string(r.cols) + " columns"));
     if (r.states.size() != nstates)
       throw Error(where + std::to_string(r.states.size()) + " state buffers given but the chain has " +
                   std::to_string(nstates));
@@ -216,9 +220,8 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
       } else {  // one value per row or column of the matrix view
         const int64_t want = state_numel(r, prog.states[s].shape);
         if (r.states[s].numel != want)
-          throw Error(where + what + " holds one value per " + state_shape_name(prog.states[s].shape) + " of the " +
-                      std::to_string(matrix_view(r).rows) + " x " + std::to_string(matrix_view(r).cols) +
-                      " matrix view: " + std::to_string(want) + " elements, got " + std::to_string(r.states[s].numel));
+          throw Error(where + what + " holds one value per " + (prog.states[s].shape == StateShape::Rows ? "row" : "column") + " of the " +
+                      describe_view(r) + ": " + std::to_string(want) + " elements, got " + std::to_string(r.states[s].numel));
         if (want > 0 && r.states[s].data == nullptr) throw Error(where + what + " has no data pointer");
         if (r.states[s].stochastic_rounding)
           throw Error(where + what + ": stochastic rounding is for full-size states, not per-row or per-column ones");

@@ -50,10 +50,11 @@ HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& sp
 
 int64_t HostTensorSet::numel(size_t tensor, size_t role) const {
   const TensorSpec& s = specs_.at(tensor);
-  const int64_t cols = s.cols > 0 ? s.cols : 1;
+  const int64_t cols = s.cols > 0 ? s.cols : 1, rows = s.numel / cols;
+  const int64_t matrices = s.cols > 0 && s.matrix_rows > 0 ? rows / s.matrix_rows : 1;
   switch (shapes_.at(role)) {
-    case StateShape::Rows: return s.numel / cols;
-    case StateShape::Cols: return cols;
+    case StateShape::Rows: return rows;
+    case StateShape::Cols: return matrices * cols;
     default: return s.numel;
   }
 }
@@ -70,6 +71,7 @@ std::vector<TensorRef> HostTensorSet::refs() {
     for (size_t role = 2; role < data_[t].size(); ++role) r.states.push_back(buf(role));
     r.group = specs_[t].group;
     r.cols = specs_[t].cols;
+    r.matrix_rows = specs_[t].matrix_rows;
     r.rng_key = t + 1;
     out.push_back(r);
   }

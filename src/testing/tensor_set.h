@@ -13,6 +13,7 @@ struct TensorSpec {
   int64_t numel;
   int group = 0;
   int64_t cols = 0;  // the matrix view (TensorRef::cols): Rows / Cols states get one value per row / column
+  int64_t matrix_rows = 0;  // a batch of matrices of this many rows (TensorRef::matrix_rows; Cols: per matrix)
 };
 
 class HostTensorSet {

@@ -116,7 +116,7 @@ TEST(MatrixScope, AdafactorOnTheCpuMatchesTheReference) {
   // 10 steps with new gradients each. The CPU backend runs the plan in float32 (its generated
   // loops), the reference in float64.
   const std::vector<testing::TensorSpec> sizes = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 20000, 1, 20000},
-                                                  {17 * 5, 1, 5}, {1, 0, 0}};
+                                                  {17 * 5, 1, 5}, {1, 0, 0}, {3 * 300 * 301, 1, 301, 300}};
   for (DType d : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(dtype_name(d));
     Chain c = adafactor({{"lr", 0.05}, {"weight_decay", 0.1}});
@@ -237,7 +237,7 @@ TEST_P(MatrixScope, MaxOfAbsPerRowAndColumn) {
 // maxima of abs, a per-tensor sum of row values, Adafactor; float32 and bfloat16 storage.
 TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
   const std::vector<testing::TensorSpec> sizes = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 20000, 1, 20000},
-                                                  {17 * 5, 1, 5}, {1, 0, 0}};
+                                                  {17 * 5, 1, 5}, {1, 0, 0}, {3 * 300 * 301, 1, 301, 300}};
   for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), Chain{testing::row_and_column_max()}})
     for (DType d : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(std::string(build_program(c).chain_text) + ", " + dtype_name(d));

@@ -1,6 +1,7 @@
 """optfuse.torch.Adafactor against torch.optim.Adafactor (torch's optim_db grid runs in
 test_optim_db.py): the training loop with new gradients every step and a scheduler, state dicts
-both ways, matrices and vectors in one chain, bitwise-repeatable steps, the refused inputs, and
+both ways, matrices, batches of matrices (more than 2 dimensions) and vectors in one chain,
+bitwise-repeatable steps, the refused inputs, and
 explain's schedule (3 passes, 24 bytes per element)."""
 import copy
 
@@ -107,10 +108,59 @@ def test_two_runs_are_bitwise_equal():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def test_parameters_of_more_than_two_dimensions_are_refused():
-    conv = torch.nn.Conv2d(3, 4, 3)
-    with pytest.raises(oft.OptfuseError, match="more than 2 dimensions"):
-        oft.Adafactor(conv.parameters())
+def batched_params(device, seed=0):
+    """Parameters of 3 and 4 dimensions (torch factors each matrix of the last two dimensions on its
+    own): a conv weight of 3 x 3 matrices, a batch of matrices longer than a chunk, one-row matrices,
+    next to a matrix and a vector."""
+    torch.manual_seed(seed)
+    shapes = [(4, 3, 3, 3), (2, 300, 301), (5, 1, 7), (6, 10), (6,)]
+    return [torch.nn.Parameter(torch.randn(s, device=device)) for s in shapes]
+
+
+def step_both(ours_p, ref_p, ours, ref, steps, device, start=0):
+    for s in range(start, start + steps):
+        g = torch.Generator(device=device).manual_seed(s)
+        for a, b in zip(ours_p, ref_p):
+            a.grad = torch.randn(a.shape, device=device, generator=g)  # a new gradient tensor every step
+            b.grad = a.grad.clone()
+        ours.step()
+        ref.step()
+
+
+def assert_params_and_states_match(ours_p, ref_p, ours, ref, tol):
+    for a, b in zip(ours_p, ref_p):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= tol, a.shape
+    sa, sb = ours.state_dict()["state"], ref.state_dict()["state"]
+    for i in sb:
+        assert sa[i].keys() == sb[i].keys()
+        for k in sb[i]:
+            assert sa[i][k].shape == sb[i][k].shape, (i, k)
+            if k != "step":
+                scale = sb[i][k].abs().max().clamp_min(1e-30)
+                assert ((sa[i][k] - sb[i][k]).abs().max() / scale).item() <= 1e-5, (i, k)
+
+
+@pytest.mark.parametrize("kw", [{}, {"lr": 0.05, "weight_decay": 0.1, "maximize": True}], ids=str)
+def test_parameters_of_more_than_two_dimensions_are_factored_matrix_by_matrix_as_in_torch(kw):
+    ours_p = batched_params(CPU)
+    ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
+    ours, ref = oft.Adafactor(ours_p, **kw), torch.optim.Adafactor(ref_p, foreach=False, **kw)
+    step_both(ours_p, ref_p, ours, ref, 12, CPU)
+    assert_params_and_states_match(ours_p, ref_p, ours, ref, 1e-6)
+    assert ours.state_dict()["state"][1]["col_var"].shape == (2, 1, 301)
+    assert max(((p - q).abs().max()).item() for p, q in zip(ref_p, batched_params(CPU))) > 1e-3  # it moved
+
+
+def test_state_dicts_of_batched_matrices_load_both_ways():
+    for make_first, make_second in [(torch.optim.Adafactor, oft.Adafactor), (oft.Adafactor, torch.optim.Adafactor)]:
+        first_p, ref_p = batched_params(CPU), batched_params(CPU)
+        first, ref = make_first(first_p, lr=0.03), torch.optim.Adafactor(ref_p, lr=0.03)
+        step_both(first_p, ref_p, first, ref, 4, CPU)
+        second_p = [torch.nn.Parameter(p.detach().clone()) for p in first_p]
+        second = make_second(second_p, lr=0.03)
+        second.load_state_dict(first.state_dict())
+        step_both(second_p, ref_p, second, ref, 4, CPU, start=4)
+        assert_params_and_states_match(second_p, ref_p, second, ref, 1e-6)
 
 
 def test_complex_parameters_fail_at_step_as_in_torch():
@@ -125,10 +175,11 @@ def test_complex_parameters_fail_at_step_as_in_torch():
 @pytest.mark.parametrize("kw", [{}, {"lr": 0.05, "weight_decay": 0.1, "maximize": True}], ids=str)
 def test_cuda_matches_torch(kw):
     """The CUDA driver's row and column loops (codegen/cuda_matrix_source.cpp) against torch on the GPU:
-    a big matrix of many chunks, a wide one, a narrow one and vectors."""
+    a big matrix of many chunks, a wide one, a narrow one, vectors, and batches of matrices (3-D and a
+    conv weight's 4-D: several chunks and row items per matrix, 3 x 3 matrices)."""
     cuda = torch.device("cuda")
     torch.manual_seed(0)
-    shapes = [(700, 2048), (3, 70000), (4096, 5), (2048,), (1,)]
+    shapes = [(700, 2048), (3, 70000), (4096, 5), (2048,), (1,), (3, 300, 301), (16, 8, 3, 3), (4, 3000, 8)]
     ours_p = [torch.nn.Parameter(torch.randn(s, device=cuda)) for s in shapes]
     ref_p = [torch.nn.Parameter(p.detach().clone()) for p in ours_p]
     ours = oft.Adafactor(ours_p, **kw)

@@ -1,10 +1,10 @@
 """optfuse.torch.Adafactor: the fused drop-in for torch.optim.Adafactor. One chain for matrices and
 vectors: a matrix (a parameter of 2 dimensions) is viewed with its last dimension as columns and
-keeps torch's row_var (shape (R, 1)) and col_var (shape (1, C)); a vector has no view, its
+keeps torch's row_var (shape (R, 1)) and col_var (shape (1, C)); a parameter of more than 2
+dimensions is a batch of such matrices, each factored on its own as torch does (row_var
+(..., R, 1), col_var (..., 1, C); the core's TensorRef::matrix_rows); a vector has no view, its
 per-row state is torch's full-size `variance`, and its per-column state (one number the math does
-not use for vectors) is kept out of the state dict. Parameters of more than 2 dimensions are
-refused: torch factors each matrix of their leading dimensions separately, which the row and
-column scopes do not do yet."""
+not use for vectors) is kept out of the state dict."""
 import torch
 
 from .. import _core
@@ -23,8 +23,8 @@ def _eps1(g):
 
 
 class Adafactor(_OptionalWeightDecay):
-    __doc__ = ("Fused drop-in for torch.optim.Adafactor (same arguments, defaults and state dict); parameters of "
-               "at most 2 dimensions. Three passes over memory on CUDA; the CPU backend interprets it in float32.")
+    __doc__ = ("Fused drop-in for torch.optim.Adafactor (same arguments, defaults and state dict); a parameter of "
+               "more than 2 dimensions is factored matrix by matrix, as torch does. Three passes over memory.")
     _sig_keys = ("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize")
 
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *, foreach=None,
@@ -37,9 +37,6 @@ class Adafactor(_OptionalWeightDecay):
         if torch.is_complex(p):
             return  # refused when stepped, with torch's error (its optim_db expects it there)
         super()._check_param(p)
-        if p.dim() > 2:
-            raise OptfuseError(f"Adafactor: parameters of more than 2 dimensions are not supported yet (shape "
-                               f"{tuple(p.shape)}): torch factors each matrix of the leading dimensions separately")
 
     def _rebuild(self):
         if any(torch.is_complex(p) for g in self.param_groups for p in g["params"]):

@@ -127,7 +127,9 @@ class Engine:
                 self.core.set_uniform_state(gi, name, float(value))
             self._push(gi, hypers_of_torch_group(tg))
         ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups, rounding, rng_keys, rng_offsets = [], [], [], [], [], [], [], [], []
-        cols = []  # matrix plans: each parameter's last dimension (0: a vector, no matrix view)
+        # matrix plans: each parameter's last dimension (0: a vector, no matrix view) and, for more than 2
+        # dimensions, its next-to-last (a batch of matrices, each factored on its own, as torch's Adafactor)
+        cols, matrix_rows = [], []
         for e in entries:
             p, g, states, tg, step, widx, stochastic, rng = e[:8]
             gi = keys[(tg, step, ustates_of(e))]
@@ -143,6 +145,7 @@ class Engine:
             numels.append(p.numel())
             if self.matrix:
                 cols.append(p.shape[-1] if p.dim() > 1 else 0)
+                matrix_rows.append(p.shape[-2] if p.dim() > 2 else 0)
             roles = [p, g] + list(states)
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)
             rounding.extend(k != 1 and stochastic[min(k, 1)] and t.dtype in (torch.float16, torch.bfloat16)
@@ -154,7 +157,7 @@ class Engine:
         device_id = self.device.index if self.device.type == "cuda" else -1
         self.core._set_tensors_raw(ptrs_p, ptrs_g, ptrs_s, numels, dtypes, groups,
                                    -1 if device_id is None else device_id, self.indices, rounding, rng_keys, rng_offsets,
-                                   cols)
+                                   cols, matrix_rows)
 
     def _push(self, gi, hypers):
         done = self.pushed.setdefault(gi, {})
