@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Adafactor's row and column scopes on the H200 in one `run` call (carry .devdeps): build, the C++
 # CUDA tests, the Adafactor and optim_db pytest cases on CUDA, the training-loop never-wait checks,
-# then Adafactor, AdamW and Lamb against torch (bench/optimizers_vs_torch.py; BENCH_OPTIMIZERS) and the
+# then Adafactor, AdamW and Lamb against torch (bench/optimizers_vs_torch.py; BENCH_OPTIMIZERS, BENCH_WORKLOADS) and the
 # kernels' times of PROFILE_OPTIMIZERS (default Adafactor Lamb; dev/kernel_times.py, torch profiler).
 # Usage: dev/h200_adafactor.sh [part ...]   parts: build cxx python bench profile (default: all)
 set -uo pipefail
@@ -17,7 +17,7 @@ if has python; then
 fi
 if has bench; then
   echo "== ${BENCH_OPTIMIZERS:=Adafactor,AdamW,Lamb} vs torch ($(date +%T))"
-  timeout 300 python3 bench/optimizers_vs_torch.py --optimizers "$BENCH_OPTIMIZERS" --workloads llama-1b,gpt2-small \
+  timeout 300 python3 bench/optimizers_vs_torch.py --optimizers "$BENCH_OPTIMIZERS" --workloads "${BENCH_WORKLOADS:-llama-1b,gpt2-small}" \
     --json "$out/adafactor_vs_torch.json" 2>&1 | tail -24
 fi
 if has profile; then
