@@ -48,11 +48,13 @@ struct OfTensor {
   unsigned long long rng_key; long long rng_offset;
 };
 struct OfChunk { long long begin; int tensor; int length; };
-// A matrix plan's tensor: its matrix view (a batch of matrices of matrix_rows rows) and where its
-// rows, columns, column partials and matrices are in the row, column and matrix-sum tables
-// (DeviceMatrix in runtime/matrix_tables.h). Column b * cols + c is column c of matrix b.
+// A matrix plan's tensor: its matrix view (a batch of matrices of matrix_rows rows; whole_matrices:
+// small ones, whole in each chunk) and where its rows, columns, column partials and matrices are in
+// the row, column and matrix-sum tables (DeviceMatrix in runtime/matrix_tables.h). Column b * cols + c
+// is column c of matrix b.
 struct OfMatrix {
   long long cols, is_matrix, row_offset, col_offset, colpart_offset, matrix_rows, chunks_per_matrix, matrix_offset;
+  long long whole_matrices;
 };
 // A matrix plan's tensor values read its shape (Op::Shape, in ShapeItem order; the interpreter's
 // shape_values): numel, rows of a matrix, columns, whether it has a matrix view.

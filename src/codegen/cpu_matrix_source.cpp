@@ -39,32 +39,39 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   s << "\n// Phase " << i << ", variant " << k << " of a matrix plan: " << describe_variant(var, roles) << "\n"
     << "static void of_phase" << i << "_v" << k
     << "_mchunk(const OfTensor& t, const OfMatrix& m, long long chunk_in_tensor, long long begin, int len, "
-       "const double* derived_row, const double* tensor_row, const double* sums_row, double step, double* acc, "
-       "double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
+       "const double* derived_row, const double* tensor_row, const double* matrix_sums, int sums_per_matrix, double step, "
+       "double* acc, double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
     << "  float u[" << nvalues << "] = {0.0f};\n"
-    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
-  if (L.tensor_values > 0)
-    s << "  double shape[4];\n  of_shape(t, m, shape);\n"
-      << "  of_phase" << i << "_tensor(derived_row, tensor_row, sums_row, shape, u + " << plan.derived.size()
-      << ");  // the values of this tensor (and of this chunk's matrix)\n";
-  s << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
-    << "  const long long col0 = m.col_offset + r0 / m.matrix_rows * C;  // its matrix's first column\n"
+    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n"
+    << "  double shape[4];\n  of_shape(t, m, shape);\n"
+    << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
     << "  const int rows = (int)(len / C);\n"
     << "  const long long first_elem = t.rng_offset + begin;\n"
     << "  const unsigned long long rng = "
     << (phase_rounds_stochastically(rr, var) ? "of_rng_base(t.rng_key, (unsigned long long)step)" : "0") << ";\n"
-    << "  (void)tensor_row; (void)sums_row; (void)col0; (void)step; (void)rng; (void)first_elem; (void)row_red; (void)col_part; (void)row_val; (void)col_val;\n";
+    << "  (void)tensor_row; (void)matrix_sums; (void)sums_per_matrix; (void)shape; (void)step; (void)rng; (void)first_elem;"
+       " (void)row_red; (void)col_part; (void)row_val; (void)col_val;\n";
   for (int r : rr.used) {
     const std::string type = storage_type(var[static_cast<size_t>(r)].dtype);
     s << "  " << type << "* __restrict " << roles[static_cast<size_t>(r)] << "_p = (" << type << "*)t.ptr[" << r << "] + begin;\n";
   }
   bool col_reds = false;
   for (const MatrixReduction& r : reds) col_reds = col_reds || r.scope == Scope::Col;
-  // This chunk's column partials (every slot: an earlier pass's were combined before this one).
+  // The chunk holds rows of one matrix of the view, or several whole small matrices
+  // (matrix_tables.h): entering a matrix sets its first column, its tensor values (they may read its
+  // sums of row values) and its column partials (the chunk's own where a matrix has several chunks,
+  // else the matrix's; every slot zeroed: an earlier pass's were combined before this one).
+  s << "  long long mb = -1, col0 = 0;\n  double* part = col_part;\n  (void)col0; (void)part;\n";
+  s << "  for (int r = 0; r < rows; ++r) {\n"
+    << "    if ((r0 + r) / m.matrix_rows != mb) {\n"
+    << "      mb = (r0 + r) / m.matrix_rows;\n      col0 = m.col_offset + mb * C;\n";
+  if (L.tensor_values > 0)
+    s << "      of_phase" << i << "_tensor(derived_row, tensor_row, matrix_sums + (m.matrix_offset + mb) * sums_per_matrix, shape, u + "
+      << plan.derived.size() << ");\n";
   if (col_reds)
-    s << "  double* __restrict part = col_part + (m.colpart_offset + chunk_in_tensor * C) * OF_COL_REDS;\n"
-      << "  for (long long x = 0; x < C * OF_COL_REDS; ++x) part[x] = 0.0;\n";
-  s << "  for (int r = 0; r < rows; ++r) {\n";
+    s << "      part = col_part + (m.colpart_offset + (m.chunks_per_matrix > 1 ? chunk_in_tensor : mb) * C) * OF_COL_REDS;\n"
+      << "      for (long long x = 0; x < C * OF_COL_REDS; ++x) part[x] = 0.0;\n";
+  s << "    }\n";
   for (size_t q = 0; q < plan.row_derived.size(); ++q)
     s << "    u[" << plan.derived_slot.at(plan.row_derived[q]) << "] = (float)row_val[(m.row_offset + r0 + r) * OF_ROW_VALUES + " << q
       << "];\n";
@@ -113,12 +120,12 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   if (ph.kind == ElementPhase::Kind::Update) s << "    if (skip[t.group] != 0.0) continue;\n";
   s << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
     << "    const double* trow = tensor_reductions + (long long)ch.tensor * tensor_reductions_per_tensor;\n"
-    << "    const OfMatrix& m = mats[ch.tensor];  // the chunk's matrix (whole rows of one): its sums of row and column values\n"
-    << "    const double* srow = matrix_sums + (m.matrix_offset + ch.begin / m.cols / m.matrix_rows) * tensor_reductions_per_tensor;\n"
+    << "    const OfMatrix& m = mats[ch.tensor];\n"
+
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0};\n"
     << "    switch (t.variant) {\n";
   for (size_t k = 0; k < variants.size(); ++k)
-    s << "      case " << k << ": of_phase" << i << "_v" << k << "_mchunk(t, m, c - t.first_chunk, ch.begin, ch.length, row, trow, srow, "
+    s << "      case " << k << ": of_phase" << i << "_v" << k << "_mchunk(t, m, c - t.first_chunk, ch.begin, ch.length, row, trow, matrix_sums, tensor_reductions_per_tensor, "
       << "steps[t.group], acc, row_red, col_part, row_val, col_val); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";

@@ -173,12 +173,13 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     << "__device__ __forceinline__ void of_phase" << i << "_v" << k
     << "_mchunk(const OfTensor& t, const OfMatrix& m, void* grad, long long begin, int len, float* u, double* acc, "
        "unsigned long long rng, long long chunk_in_tensor, const OfMatrixTables& mt, double* srow, double* racc, "
-       "double* scratch) {\n"
+       "double* scratch, const double* uni, const double* trow, const double* shape) {\n"
     << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
     << "  const long long col0 = m.col_offset + r0 / m.matrix_rows * C;  // its matrix's first column\n"
     << "  const int rows = (int)(len / C);\n"
     << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);\n"
-    << "  (void)rng; (void)rng_first; (void)col0; (void)grad; (void)srow; (void)racc; (void)scratch; (void)chunk_in_tensor;\n";
+    << "  (void)rng; (void)rng_first; (void)col0; (void)grad; (void)srow; (void)racc; (void)scratch; (void)chunk_in_tensor;\n"
+    << "  (void)uni; (void)trow; (void)shape;\n";
   for (int r : pr.used)
     s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)"
       << (r == 1 ? std::string("grad") : "t.ptr[" + std::to_string(r) + "]") << " + begin;\n";
@@ -219,6 +220,39 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
           << ";\n";
     return o.str();
   };
+  // Whole small matrices (a batch of them, MatrixView::small_matrices): a thread per matrix, its rows
+  // and their columns in order; its tensor values (they may read its sums of row values) its own; its
+  // column sums in its partial row (one per matrix: no other chunk has a part of it).
+  s << "  if (m.whole_matrices) {  // (uniform over the block)\n"
+    << "    const long long R = m.matrix_rows, mb0 = r0 / R;\n"
+    << "    for (int j = threadIdx.x; j < (int)(rows / R); j += OF_THREADS) {\n"
+    << "      const long long mb = mb0 + j, col0 = m.col_offset + mb * C;\n      (void)col0;\n";
+  if (plan.layout.tensor_values > 0)
+    s << "      of_phase" << i << "_tensor(uni, trow, mt.matrix_sums + (m.matrix_offset + mb) * OF_TENSOR_REDUCTIONS, shape, u + OF_DERIVED);\n";
+  if (col_reds) s << "      double* const part = mt.col_part + (m.colpart_offset + mb * C) * OF_COL_REDS;\n";
+  s << "      for (long long rr = 0; rr < R; ++rr) {\n"
+    << "        const long long row = mb * R + rr;  // of the view\n"
+    << row_values("row", "        ");
+  if (row_reds) s << "        double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
+  s << "        for (long long c = 0; c < C; ++c) {\n" << col_values("c", "          ")
+    << "          const long long e = (row - r0) * C + c;  // of the chunk\n"
+    << "          double a[" << nred << "];\n";
+  auto whole_running = [&](const PhaseReduction& r) {
+    const std::string slot = std::to_string(r.slot);
+    return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "part[c * OF_COL_REDS + " + slot + "]"
+                                                                                 : "acc[" + std::to_string(r.k) + "]";
+  };
+  for (const PhaseReduction& r : reds)
+    s << "          a[" << r.k << "] = " << (r.scope == Scope::Col ? "rr == 0 ? 0.0 : " : "") << whole_running(r) << ";\n";
+  if (reds.empty()) s << "          a[0] = 0.0;\n";
+  s << body("e", "          ");
+  for (const PhaseReduction& r : reds) s << "          " << whole_running(r) << " = a[" << r.k << "];\n";
+  s << "        }\n";
+  for (const PhaseReduction& r : reds)
+    if (r.scope == Scope::Row)
+      s << "        mt.row_red[(m.row_offset + row) * OF_ROW_REDS + " << r.slot << "] = " << flag("rowpart[" + std::to_string(r.slot) + "]", r.any)
+        << ";\n";
+  s << "      }\n    }\n    return;\n  }\n";
   // A one-column view (a vector): a thread per row; a row's sum is its element's; the column's
   // partial is a block sum.
   s << "  if (C == 1) {\n" << col_values("0", "    ");
@@ -357,7 +391,7 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
   const Program& p = plan.program;
   std::ostringstream s;
   s << "\n// The Commit step of the update pass for one chunk (variant " << k << "): its rows' Rows states and, the\n"
-    << "// first chunk of its matrix, the matrix's Cols states, from the value tables (a skipped group's chunks never get here)\n"
+    << "// first chunk of a matrix, the matrix's Cols states, from the value tables (a skipped group's chunks never get here)\n"
     << "__device__ __forceinline__ void of_phase" << i << "_v" << k
     << "_commit(const OfTensor& t, const OfMatrix& m, long long begin, int len, long long chunk_in_tensor, "
        "const OfMatrixTables& mt) {\n"
@@ -379,7 +413,9 @@ std::string cuda_matrix_commit_function(const Plan& plan, size_t i, size_t k, co
                    : "mt.row_val[(m.row_offset + r0 + x) * OF_ROW_VALUES + " + std::to_string(q) + "]";
     }
     s << "  // " << p.states[st].qualified << "\n";
-    if (cols) s << "  if (chunk_in_tensor % m.chunks_per_matrix == 0)\n    for (long long x = threadIdx.x; x < C; x += OF_THREADS)\n";
+    if (cols)  // the columns of every matrix the chunk starts (whole small ones: all of its matrices)
+      s << "  if (m.whole_matrices || chunk_in_tensor % m.chunks_per_matrix == 0)\n"
+        << "    for (long long x = threadIdx.x; x < (m.whole_matrices ? rows / m.matrix_rows * C : C); x += OF_THREADS)\n";
     else s << "  for (int x = threadIdx.x; x < rows; x += OF_THREADS)\n";
     s << "      of_store1<" << sdt << ">((OfStorage<" << sdt << ">::E*)t.ptr[" << 2 + st << "] + " << (cols ? "c0 + x" : "r0 + x")
       << ", " << value << ");\n";
@@ -416,6 +452,11 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
         plan.level[static_cast<size_t>(node)] <= limit)
       row_sums.push_back(line_fold(plan, r));
   }
+  std::vector<LineFold> combined;  // column reductions produced by the pass just run
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.scope_of(r) != Scope::Col) continue;
+    if (plan.level[static_cast<size_t>(plan.reductions[r])] == limit && i > 0) combined.push_back(line_fold(plan, r));
+  }
   s << "\n// The Values step before pass " << i << ": row and column values (levels <= " << limit << ")\n"
     << "extern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_values" << i
     << "(const OfTensor* __restrict__ tensors, const OfValueItem* __restrict__ items, int num_items, const double* table, "
@@ -434,24 +475,52 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "    for (int d = 0; d < OF_DERIVED; ++d) u[d] = (float)uni[d];\n"
     << "    double shape[4];\n    of_shape(t, m, shape);\n"
     << "    const long long C = m.cols;\n"
-    << "    const long long mb = item.rows ? item.begin / m.matrix_rows : item.begin / C;  // the item's matrix\n"
+    << "    // the item's matrix (items of whole small matrices: its first)\n"
+    << "    const long long mb = item.rows == 2 ? item.begin : item.rows ? item.begin / m.matrix_rows : item.begin / C;\n"
     << "    double* const msums = mt.matrix_sums + (m.matrix_offset + mb) * OF_TENSOR_REDUCTIONS;\n";
   if (L.tensor_values > 0)
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, msums, shape, u + OF_DERIVED);\n";
   s << "    (void)msums;\n"
     << "    float st[OF_ROLES];\n    float out[OF_ROW_VALUES_ARRAY > OF_COL_VALUES_ARRAY ? OF_ROW_VALUES_ARRAY : OF_COL_VALUES_ARRAY];\n"
     << "    double sums[OF_TENSOR_REDUCTIONS_ARRAY] = {0.0};\n"
-    << "    if (!item.rows) {\n"
+    << "    if (item.rows == 2) {\n"
+    << "      // Whole small matrices: thread j takes matrix begin + j: its tensor values, its rows (values\n"
+    << "      // and their sums, in row order), then its columns (one partial each: its chunk held all of it).\n"
+    << "      if ((int)threadIdx.x < item.count) {\n"
+    << "        const long long wb = item.begin + threadIdx.x;\n"
+    << "        double* const ws = mt.matrix_sums + (m.matrix_offset + wb) * OF_TENSOR_REDUCTIONS;\n        (void)ws;\n";
+  if (L.tensor_values > 0)
+    s << "        of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, ws, shape, u + OF_DERIVED);\n";
+  s << "        for (long long r = wb * m.matrix_rows; r < (wb + 1) * m.matrix_rows; ++r) {\n"
+    << load_states("r", false, "          ")
+    << "          of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
+  for (size_t q = 0; q < plan.row_derived.size(); ++q)
+    if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
+      s << "          mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
+  s << "        }\n";
+  for (const LineFold& f : row_sums) s << "        ws[" << f.slot << "] = " << flag("sums[" + std::to_string(f.slot) + "]", f.any) << ";\n";
+  s << "        for (long long c = wb * C; c < (wb + 1) * C; ++c) {\n          double red[OF_COL_REDS_ARRAY];\n";
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {
+    if (plan.scope_of(r) != Scope::Col) continue;
+    const LineFold f = line_fold(plan, r);
+    const std::string at = "mt.col_red[(m.col_offset + c) * OF_COL_REDS + " + std::to_string(f.slot) + "]";
+    if (std::find(combined.begin(), combined.end(), f) != combined.end())
+      s << "          red[" << f.slot << "] = " << flag("mt.col_part[(m.colpart_offset + c) * OF_COL_REDS + " + std::to_string(f.slot) + "]", f.any)
+        << ";\n          " << at << " = red[" << f.slot << "];\n";
+    else
+      s << "          red[" << f.slot << "] = " << at << ";\n";
+  }
+  s << load_states("c", true, "          ") << "          of_phase" << i << "_cols(u, st, red, out, sums);\n";
+  for (size_t q = 0; q < plan.col_derived.size(); ++q)
+    if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
+      s << "          mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
+  s << "        }\n      }\n"
+    << "    } else if (!item.rows) {\n"
     << "      // Columns: lane l takes column begin + l (of the view's matrices x C); warp w the partials of\n"
     << "      // the matrix's chunks w, w + 8, ... (in order), then warp 0 the warps' sums in order: a fixed\n"
     << "      // order, whatever the grid.\n"
     << "      const long long c = item.begin + lane, cm = c - mb * C;  // cm: the column within its matrix\n"
     << "      const bool on = lane < item.count;\n      (void)cm;\n";
-  std::vector<LineFold> combined;  // column reductions produced by the pass just run
-  for (size_t r = 0; r < plan.reductions.size(); ++r) {
-    if (plan.scope_of(r) != Scope::Col) continue;
-    if (plan.level[static_cast<size_t>(plan.reductions[r])] == limit && i > 0) combined.push_back(line_fold(plan, r));
-  }
   for (const LineFold& f : combined)
     s << "      {\n        double sum = 0.0;\n"
       << "        if (on)\n          for (long long q = warp; q < m.chunks_per_matrix; q += OF_THREADS / 32)\n"

@@ -457,7 +457,8 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   for (size_t k = 0; k < variants.size(); ++k)
     if (matrix)
       s << "      case " << k << ": of_phase" << i << "_v" << k
-        << "_mchunk(t, m, grad, ch.begin, ch.length, u, acc, rng, c - t.first_chunk, mt, of_srow, of_racc, scratch);"
+        << "_mchunk(t, m, grad, ch.begin, ch.length, u, acc, rng, c - t.first_chunk, mt, of_srow, of_racc, scratch, uni, "
+           "tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, shape);"
         << (update ? " of_phase" + std::to_string(i) + "_v" + std::to_string(k) + "_commit(t, m, ch.begin, ch.length, c - t.first_chunk, mt);" : "")
         << " break;\n";
     else

@@ -50,7 +50,7 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
       for (size_t t = 0; t < spans.size(); ++t) {
         if (spans[t].count == 0) continue;
         const int64_t C = ml.view_cols[t], per = ml.chunks_per_matrix[t];
-        const int64_t columns = static_cast<int64_t>(spans[t].count) / per * C;
+        const int64_t columns = (t + 1 < spans.size() ? ml.col_offset[t + 1] : ml.cols) - ml.col_offset[t];  // matrices x C
         for (int64_t x = 0; x < columns; ++x) {  // column c of matrix b: the partials of the matrix's chunks, in order
           const int64_t b = x / C, c = x % C;
           double acc = 0;
@@ -185,16 +185,19 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     const double* derived = table + L.derived_offset(groups) + grp * L.derived_per_group;
     for (size_t d = 0; d < plan.derived.size(); ++d)
       val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
-    // Matrix plans: the chunk's matrix (a chunk holds whole rows of one matrix)
     const MatrixView view = matrix_view(t);
-    const int64_t matrix = m ? ch.begin / view.cols / view.matrix_rows : 0;
-    if (!plan.tensor_derived.empty()) {  // this tensor's values, float64, rounded as they enter element math
-      const std::array<double, 4> shape = shape_values(t);
-      eval_tensor_values(plan, plan.value_level_limit(phase), derived,
-                         tensor_reductions.data() + static_cast<size_t>(ch.tensor) * static_cast<size_t>(L.tensor_reductions),
-                         shape.data(), tensor_val, m ? m->matrix_sums.data() + m->sums_at(static_cast<size_t>(ch.tensor), matrix) : nullptr);
+    const std::array<double, 4> shape = shape_values(t);
+    const size_t tix = static_cast<size_t>(ch.tensor);
+    const double* tensor_row = tensor_reductions.data() + tix * static_cast<size_t>(L.tensor_reductions);
+    // This tensor's values, float64, rounded as they enter element math: per matrix of the view in
+    // a matrix plan (they may read the matrix's sums of row values).
+    auto tensor_values = [&](int64_t matrix) {
+      if (plan.tensor_derived.empty()) return;
+      eval_tensor_values(plan, plan.value_level_limit(phase), derived, tensor_row, shape.data(), tensor_val,
+                         m ? m->matrix_sums.data() + m->sums_at(tix, matrix) : nullptr);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
-    }
+    };
+    tensor_values(m ? ch.begin / view.cols / view.matrix_rows : 0);
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
@@ -207,17 +210,26 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
       else
         store_element(b.data, b.dtype, e, static_cast<double>(v));
     };
-    // Matrix plans: this chunk's rows and column partials (whole rows: rows [r0, r1)).
-    const size_t tix = static_cast<size_t>(ch.tensor);
-    const int64_t row0 = m ? m->layout.row_offset[tix] : 0, col0 = m ? m->layout.col_offset[tix] + matrix * view.cols : 0;
-    const int64_t part0 = m ? m->layout.colpart_offset[tix] + (static_cast<int64_t>(c) - m->layout.first_chunk[tix]) * view.cols : 0;
+    // Matrix plans: the chunk holds whole rows, of one matrix of the view or of several whole small
+    // ones (matrix_tables.h). Per matrix entered: its first column and its column partials (the
+    // chunk's own where a matrix has several chunks, else the matrix's), zeroed, and its tensor values.
     const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
     const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
-    if (m)
+    const int64_t row0 = m ? m->layout.row_offset[tix] : 0;
+    const int64_t chunk_in_tensor = m ? static_cast<int64_t>(c) - m->layout.first_chunk[tix] : 0;
+    int64_t matrix = -1, col0 = 0, part0 = 0;
+    auto enter_matrix = [&](int64_t b) {
+      const int64_t pr = m->layout.chunks_per_matrix[tix] > 1 ? chunk_in_tensor : b;
+      col0 = m->layout.col_offset[tix] + b * view.cols;
+      part0 = m->layout.colpart_offset[tix] + pr * view.cols;
       for (int64_t k = 0; k < view.cols * static_cast<int64_t>(CR); ++k) m->col_partials[static_cast<size_t>(part0 * static_cast<int64_t>(CR) + k)] = 0.0;
+      if (matrix != -1) tensor_values(b);  // (the first matrix's were evaluated above)
+      matrix = b;
+    };
     std::vector<double> row_acc(phase.reductions.size(), 0.0);
     for (int64_t e = ch.begin; e < ch.begin + ch.length; ++e) {
       const int64_t row = e / view.cols, col = e % view.cols;
+      if (m && row / view.matrix_rows != matrix) enter_matrix(row / view.matrix_rows);
       if (m) {
         for (size_t k = 0; k < RV; ++k)
           val[static_cast<size_t>(plan.row_derived[k])] = static_cast<T>(m->row_values[static_cast<size_t>(row0 + row) * RV + k]);

@@ -16,6 +16,8 @@ MatrixView matrix_view(const TensorRef& t) {
   return v;
 }
 
+bool MatrixView::small_matrices() const { return matrices > 1 && matrix_rows * cols <= kSmallMatrixElements; }
+
 std::string describe_view(const TensorRef& t) {
   const MatrixView v = matrix_view(t);
   const std::string m = std::to_string(v.matrix_rows) + " x " + std::to_string(v.cols);
@@ -41,10 +43,12 @@ MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vec
     m.first_chunk.push_back(spans.at(t).first);
     m.matrix_offset.push_back(m.matrices);
     m.view_cols.push_back(v.cols);
-    m.chunks_per_matrix.push_back(std::max<int64_t>(1, static_cast<int64_t>(spans.at(t).count) / std::max<int64_t>(1, v.matrices)));
+    // chunks of whole small matrices: one chunk per matrix as far as its partials go
+    const int64_t per = v.small_matrices() ? 1 : std::max<int64_t>(1, static_cast<int64_t>(spans.at(t).count) / std::max<int64_t>(1, v.matrices));
+    m.chunks_per_matrix.push_back(per);
     m.rows += v.rows;
     m.cols += v.columns();
-    m.colparts += static_cast<int64_t>(spans.at(t).count) * v.cols;
+    m.colparts += v.matrices * per * v.cols;
     m.matrices += v.matrices;
   }
   return m;
@@ -62,6 +66,7 @@ std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors,
     out[t].matrix_rows = v.matrix_rows;
     out[t].chunks_per_matrix = layout.chunks_per_matrix[t];
     out[t].matrix_offset = layout.matrix_offset[t];
+    out[t].whole_matrices = v.small_matrices() ? 1 : 0;
   }
   return out;
 }
@@ -73,6 +78,11 @@ std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_
     const MatrixView v = matrix_view(tensors[t]);
     const int32_t tensor = static_cast<int32_t>(t);
     auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+    if (v.small_matrices()) {  // whole matrices, a thread each
+      for (int64_t b = 0; b < v.matrices; b += kMatricesPerChunk)
+        items.push_back({tensor, i32(b), i32(std::min<int64_t>(kMatricesPerChunk, v.matrices - b)), 2, 0, 0});
+      continue;
+    }
     for (int64_t b = 0; b < v.matrices; ++b) {  // items never span two matrices
       for (int64_t c = 0; c < v.cols; c += cols_per_item)
         items.push_back({tensor, i32(b * v.cols + c), i32(std::min<int64_t>(cols_per_item, v.cols - c)), 0, 0, 0});

@@ -22,7 +22,13 @@ struct MatrixView {
   int64_t matrix_rows = 0, matrices = 1;
   bool is_matrix = false;
   int64_t columns() const { return matrices * cols; }  // column values: per matrix and column
+  // A batch of small matrices (a convolution's 1 x 1, 3 x 3, 7 x 7 kernels): its chunks hold up to
+  // kMatricesPerChunk whole matrices each (one chunk per matrix would make a chunk per few
+  // elements); CUDA steps such a chunk a thread per matrix. Larger matrices: chunks of rows of one.
+  bool small_matrices() const;
 };
+constexpr int64_t kSmallMatrixElements = 256;
+constexpr int64_t kMatricesPerChunk = 256;  // (CUDA: a thread each, OF_THREADS)
 MatrixView matrix_view(const TensorRef& t);
 // "R x C matrix view" or "batch of B R x C matrices", for error messages.
 std::string describe_view(const TensorRef& t);
@@ -42,14 +48,16 @@ MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vec
 struct DeviceMatrix {
   int64_t cols = 1, is_matrix = 0, row_offset = 0, col_offset = 0, colpart_offset = 0;
   int64_t matrix_rows = 0, chunks_per_matrix = 1, matrix_offset = 0;
+  int64_t whole_matrices = 0;  // 1: a batch of small matrices, whole ones in each chunk (MatrixView::small_matrices)
 };
-static_assert(sizeof(DeviceMatrix) == 64, "DeviceMatrix is shared with generated code (OfMatrix)");
+static_assert(sizeof(DeviceMatrix) == 72, "DeviceMatrix is shared with generated code (OfMatrix)");
 std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors, const MatrixLayout& layout);
 
 // One block's work in the CUDA Values step: a range [begin, begin + count) of a tensor's columns
-// (rows == 0) or rows (rows == 1), within one matrix of its view. A matrix's row items are
-// contiguous, `first` the index of its first and `items` their number: the last of them to finish
-// sums their sums of row values in item order. The generated struct OfValueItem matches.
+// (rows == 0) or rows (rows == 1), within one matrix of its view, or (rows == 2, small matrices) of
+// its matrices, a thread each. A matrix's row items are contiguous, `first` the index of its first
+// and `items` their number: the last of them to finish sums their sums of row values in item order.
+// The generated struct OfValueItem matches.
 struct ValueItem {
   int32_t tensor = 0, begin = 0, count = 0, rows = 0, first = 0, items = 0;
 };

@@ -52,12 +52,13 @@ struct Batch {
 class MatrixBatches : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(MatrixBatches, EachMatrixOfABatchIsSteppedAsIfAlone) {
-  // Small matrices, matrices of several chunks (300 x 301: 90300 elements, chunks of 16384 or 65536
-  // whole rows, the last one of each matrix short) and one-row matrices.
+  // Small matrices (whole ones in a chunk: at most 256 of them, so 600 3 x 3 ones are three chunks;
+  // 1 x 1 ones), matrices of several chunks (300 x 301: 90300 elements, chunks of 16384 or 65536 whole
+  // rows, the last one of each matrix short) and one-row matrices.
   // alpha = max(eps2, RMS(p)) * rho and the RMS clip max(RMS(update) / d, 1) are constants here
   Chain adafactor_per_matrix = make_builtin("scale_by_adafactor", {{"lr", 0.05}, {"eps2", 1e3}, {"d", 1e30}});
   for (const Chain& c : {Chain{testing::row_and_column_max()}, adafactor_per_matrix}) {
-    std::vector<Batch> batched = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(5, 1, 7)};
+    std::vector<Batch> batched = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(5, 1, 7), Batch(600, 3, 3), Batch(300, 1, 1)};
     std::vector<Batch> alone = batched;
     std::vector<TensorRef> whole, separate;
     for (Batch& b : batched) whole.push_back(b.whole());
@@ -89,7 +90,7 @@ TEST(MatrixBatches, AdafactorOnTheCpuMatchesTheReference) {
   // The per-tensor norms span the whole batch here (no constants): the CPU's float32 loops against
   // the float64 reference, 5 steps.
   Chain c = adafactor({{"lr", 0.05}, {"weight_decay", 0.1}});
-  std::vector<Batch> rb = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(4, 64, 1)}, cb = rb;
+  std::vector<Batch> rb = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(4, 64, 1), Batch(600, 3, 3)}, cb = rb;
   std::vector<TensorRef> rr, cr;
   for (Batch& b : rb) rr.push_back(b.whole());
   for (Batch& b : cb) cr.push_back(b.whole());
@@ -105,31 +106,35 @@ TEST(MatrixBatches, AdafactorOnTheCpuMatchesTheReference) {
       ASSERT_NEAR(cb[k].p[i], rb[k].p[i], 2e-6 * std::max(1.0f, std::fabs(rb[k].p[i]))) << k << " " << i;
 }
 
-TEST(MatrixBatches, ChunksNeverSpanTwoMatrices) {
-  std::vector<float> data(200);
+TEST(MatrixBatches, ChunksNeverSpanTwoMatricesAndHoldWholeSmallOnes) {
+  std::vector<float> data(2000);
   std::vector<TensorRef> ts(2);
-  ts[0].param = {data.data(), 3 * 5 * 4, DType::f32};  // 3 matrices of 5 x 4, chunks of 16: 4 rows, then 1
-  ts[0].cols = 4;
-  ts[0].matrix_rows = 5;
-  ts[1].param = {data.data(), 2 * 2 * 3, DType::f32};  // 2 matrices of 2 x 3: one chunk each
+  ts[0].param = {data.data(), 3 * 20 * 16, DType::f32};  // 3 matrices of 20 x 16 (320 elements: not small)
+  ts[0].cols = 16;
+  ts[0].matrix_rows = 20;
+  ts[1].param = {data.data(), 50 * 2 * 3, DType::f32};  // 50 matrices of 2 x 3 (small): 10 whole ones per chunk
   ts[1].cols = 3;
   ts[1].matrix_rows = 2;
-  std::vector<Chunk> chunks = build_chunks(ts, 16, true);
-  ASSERT_EQ(chunks.size(), 3u * 2 + 2);
-  for (int m = 0; m < 3; ++m) {
-    EXPECT_EQ(chunks[static_cast<size_t>(2 * m)].begin, 20 * m);
-    EXPECT_EQ(chunks[static_cast<size_t>(2 * m)].length, 16);
-    EXPECT_EQ(chunks[static_cast<size_t>(2 * m + 1)].length, 4);
-  }
-  EXPECT_EQ(chunks[7].begin, 6);
+  std::vector<Chunk> chunks = build_chunks(ts, 96, true);  // 6 rows of 16, or 16 small matrices
+  ASSERT_EQ(chunks.size(), 3u * 4 + 4);
+  for (int m = 0; m < 3; ++m)  // rows 0-5, 6-11, 12-17, 18-19 of each matrix
+    for (int j = 0; j < 4; ++j) {
+      EXPECT_EQ(chunks[static_cast<size_t>(4 * m + j)].begin, 320 * m + 96 * j);
+      EXPECT_EQ(chunks[static_cast<size_t>(4 * m + j)].length, j < 3 ? 96 : 32);
+    }
+  for (int j = 0; j < 4; ++j) EXPECT_EQ(chunks[static_cast<size_t>(12 + j)].length, j < 3 ? 96 : 12);
   MatrixLayout ml = matrix_layout(ts, chunk_ranges(ts.size(), chunks));
-  EXPECT_EQ(ml.rows, 15 + 4);
-  EXPECT_EQ(ml.cols, 3 * 4 + 2 * 3);  // per matrix and column
-  EXPECT_EQ(ml.matrices, 5);
-  EXPECT_EQ(ml.chunks_per_matrix[0], 2);
-  EXPECT_EQ(ml.chunks_per_matrix[1], 1);
+  EXPECT_EQ(ml.rows, 60 + 100);
+  EXPECT_EQ(ml.cols, 3 * 16 + 50 * 3);  // per matrix and column
+  EXPECT_EQ(ml.matrices, 53);
+  EXPECT_EQ(ml.chunks_per_matrix[0], 4);
+  EXPECT_EQ(ml.chunks_per_matrix[1], 1);  // (whole matrices: one partial per matrix and column)
   EXPECT_EQ(ml.matrix_offset[1], 3);
-  EXPECT_EQ(ml.colparts, 6 * 4 + 2 * 3);
+  EXPECT_EQ(ml.colparts, 12 * 16 + 50 * 3);
+  const std::vector<ValueItem> items = value_items(ts, 32, 2048);
+  ASSERT_EQ(items.size(), 3u * 2 + 1);  // per big matrix a column item and a row item; one item of whole matrices
+  EXPECT_EQ(items[6].rows, 2);
+  EXPECT_EQ(items[6].count, 50);
 }
 
 TEST(MatrixBatches, BadBatchesAreRefusedClearly) {

@@ -691,14 +691,15 @@ TEST(CudaBench, DISABLED_Bandwidth) {
 
 // Row and column scopes (Adafactor) on matrix views: one and several chunks per matrix, rows longer
 // than a chunk, narrow views (a thread per column, most idle), vectors (a thread per row), two groups;
-// batches of matrices (TensorRef::matrix_rows): several chunks and two row items per matrix, small
-// and one-row matrices.
+// batches of matrices (TensorRef::matrix_rows): several chunks and two row items per matrix, one-row
+// matrices, and small ones, whole in a chunk (3 x 3 as a conv's, 1 x 1, 16 x 16: several chunks each).
 TEST(CudaBackend, MatrixViewsMatchReferenceAndRepeatBitwise) {
   REQUIRE_GPU();
   const std::vector<TensorSpec> specs = {{300 * 1001, 0, 1001},      {65537, 1, 0},           {3, 0, 3},
                                          {2 * 70000, 1, 70000},      {17 * 5, 1, 5},          {1, 0, 0},
                                          {4096 * 64, 0, 64},         {3 * 300 * 301, 0, 301, 300},
-                                         {4 * 3000 * 8, 1, 8, 3000}, {6 * 4 * 5, 1, 5, 4},    {5 * 7, 0, 7, 1}};
+                                         {4 * 3000 * 8, 1, 8, 3000}, {6 * 4 * 5, 1, 5, 4},    {5 * 7, 0, 7, 1},
+                                         {1000 * 3 * 3, 0, 3, 3},    {5000, 1, 1, 1},         {70 * 16 * 16, 0, 16, 16}};
   for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), adafactor({{"maximize", true}, {"d", 1.5}}),
                          Chain{optfuse::testing::row_and_column_max()}})
     for (DType dt : {DType::f32, DType::bf16}) {
