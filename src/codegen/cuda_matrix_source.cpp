@@ -444,6 +444,23 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     o << ind << "  default: break;\n" << ind << "}\n";
     return o.str();
   };
+  // Row r's (column c's) values from its states and reductions (red), written to the value table.
+  auto row_line = [&](const std::string& ind) {
+    std::ostringstream o;
+    o << load_states("r", false, ind) << ind << "of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
+    for (size_t q = 0; q < plan.row_derived.size(); ++q)
+      if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
+        o << ind << "mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
+    return o.str();
+  };
+  auto column_line = [&](const std::string& ind) {
+    std::ostringstream o;
+    o << load_states("c", true, ind) << ind << "of_phase" << i << "_cols(u, st, red, out, sums);\n";
+    for (size_t q = 0; q < plan.col_derived.size(); ++q)
+      if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
+        o << ind << "mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
+    return o.str();
+  };
   // The per-tensor sums of row values this step takes (levels <= limit).
   std::vector<LineFold> row_sums;  // (tensor_reductions slot)
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
@@ -491,13 +508,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "        double* const ws = mt.matrix_sums + (m.matrix_offset + wb) * OF_TENSOR_REDUCTIONS;\n        (void)ws;\n";
   if (L.tensor_values > 0)
     s << "        of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, ws, shape, u + OF_DERIVED);\n";
-  s << "        for (long long r = wb * m.matrix_rows; r < (wb + 1) * m.matrix_rows; ++r) {\n"
-    << load_states("r", false, "          ")
-    << "          of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
-  for (size_t q = 0; q < plan.row_derived.size(); ++q)
-    if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
-      s << "          mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
-  s << "        }\n";
+  s << "        for (long long r = wb * m.matrix_rows; r < (wb + 1) * m.matrix_rows; ++r) {\n" << row_line("          ") << "        }\n";
   for (const LineFold& f : row_sums) s << "        ws[" << f.slot << "] = " << flag("sums[" + std::to_string(f.slot) + "]", f.any) << ";\n";
   s << "        for (long long c = wb * C; c < (wb + 1) * C; ++c) {\n          double red[OF_COL_REDS_ARRAY];\n";
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
@@ -510,11 +521,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     else
       s << "          red[" << f.slot << "] = " << at << ";\n";
   }
-  s << load_states("c", true, "          ") << "          of_phase" << i << "_cols(u, st, red, out, sums);\n";
-  for (size_t q = 0; q < plan.col_derived.size(); ++q)
-    if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
-      s << "          mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
-  s << "        }\n      }\n"
+  s << column_line("          ") << "        }\n      }\n"
     << "    } else if (!item.rows) {\n"
     << "      // Columns: lane l takes column begin + l (of the view's matrices x C); warp w the partials of\n"
     << "      // the matrix's chunks w, w + 8, ... (in order), then warp 0 the warps' sums in order: a fixed\n"
@@ -541,20 +548,11 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     else
       s << "        red[" << slot << "] = " << at << ";\n";
   }
-  s << load_states("c", true, "        ") << "        of_phase" << i << "_cols(u, st, red, out, sums);\n";
-  for (size_t q = 0; q < plan.col_derived.size(); ++q)
-    if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
-      s << "        mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
-  s << "      }\n"
+  s << column_line("        ") << "      }\n"
     << "    } else {\n"
     << "      // Rows: thread x takes rows begin + x, + 256, ... of the item\n"
     << "      for (long long r = item.begin + threadIdx.x; r < item.begin + item.count; r += OF_THREADS) {\n"
-    << load_states("r", false, "        ")
-    << "        of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
-  for (size_t q = 0; q < plan.row_derived.size(); ++q)
-    if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
-      s << "        mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
-  s << "      }\n";
+    << row_line("        ") << "      }\n";
   if (!row_sums.empty()) {
     // Each row item's sums (a fixed block tree), then the matrix's last row item to finish adds
     // them in item order: deterministic whichever block is last.
