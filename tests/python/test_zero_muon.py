@@ -30,9 +30,12 @@ LABELS = ("Muon", "MuonWithAuxAdam", "Adafactor")
 
 
 def make_model():
-    torch.manual_seed(0)  # the same model on every rank; two 32 x 32 matrices (one Newton-Schulz batch unsharded)
+    # the same model on every rank; two 32 x 32 matrices (one Newton-Schulz batch unsharded); a conv
+    # weight of 3 dimensions (Adafactor factors it matrix by matrix; Muon's split leaves it to AdamW)
+    torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Linear(32, 32, bias=False),
-                               torch.nn.Linear(32, 32), torch.nn.Linear(32, 24, bias=False))
+                               torch.nn.Linear(32, 32), torch.nn.Linear(32, 24, bias=False),
+                               torch.nn.Conv1d(8, 8, 3, padding=1, bias=False))  # (8, 24) read as (channels, length)
 
 
 def split(model):
