@@ -19,7 +19,7 @@ std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t c
     if (whole_rows) {
       const MatrixView v = matrix_view(tensors[t]);
       if (v.small_matrices()) {  // whole matrices
-        size = v.matrix_rows * v.cols * std::max<int64_t>(1, std::min(kMatricesPerChunk, chunk_elems / (v.matrix_rows * v.cols)));
+        size = v.matrix_rows * v.cols * std::max<int64_t>(1, chunk_elems / (v.matrix_rows * v.cols));
       } else {  // rows of one matrix: a chunk never spans two matrices of a batch
         int64_t rows = std::min(std::max<int64_t>(1, chunk_elems / v.cols), std::max<int64_t>(1, v.matrix_rows));
         if (max_rows > 0 && v.cols > 1) rows = std::min<int64_t>(rows, max_rows);

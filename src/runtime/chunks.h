@@ -21,7 +21,7 @@ static_assert(sizeof(Chunk) == 16, "Chunk is shared with generated code: keep it
 // whole_rows (matrix plans): every chunk holds whole rows of one matrix of its tensor's matrix view
 // (TensorRef::cols, matrix_rows): max(1, chunk_elems / cols) of them (at most a matrix's), so a row
 // longer than chunk_elems is a chunk, and every matrix of a batch has the same number of chunks; or,
-// for a batch of small matrices (MatrixView::small_matrices), whole matrices, at most kMatricesPerChunk;
+// for a batch of small matrices (MatrixView::small_matrices), whole matrices, chunk_elems / (R x C) of them;
 // at most max_rows (> 0) where the view has more than one column (the CUDA driver keeps a chunk's
 // row sums in shared memory).
 std::vector<Chunk> build_chunks(const std::vector<TensorRef>& tensors, int32_t chunk_elems, bool whole_rows = false,

@@ -79,8 +79,8 @@ std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_
     const int32_t tensor = static_cast<int32_t>(t);
     auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
     if (v.small_matrices()) {  // whole matrices, a thread each
-      for (int64_t b = 0; b < v.matrices; b += kMatricesPerChunk)
-        items.push_back({tensor, i32(b), i32(std::min<int64_t>(kMatricesPerChunk, v.matrices - b)), 2, 0, 0});
+      for (int64_t b = 0; b < v.matrices; b += kMatricesPerItem)
+        items.push_back({tensor, i32(b), i32(std::min<int64_t>(kMatricesPerItem, v.matrices - b)), 2, 0, 0});
       continue;
     }
     for (int64_t b = 0; b < v.matrices; ++b) {  // items never span two matrices

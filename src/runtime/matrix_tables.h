@@ -22,13 +22,14 @@ struct MatrixView {
   int64_t matrix_rows = 0, matrices = 1;
   bool is_matrix = false;
   int64_t columns() const { return matrices * cols; }  // column values: per matrix and column
-  // A batch of small matrices (a convolution's 1 x 1, 3 x 3, 7 x 7 kernels): its chunks hold up to
-  // kMatricesPerChunk whole matrices each (one chunk per matrix would make a chunk per few
-  // elements); CUDA steps such a chunk a thread per matrix. Larger matrices: chunks of rows of one.
+  // A batch of small matrices (a convolution's 1 x 1, 3 x 3, 7 x 7 kernels): its chunks hold as many
+  // whole matrices as a chunk's elements allow (one chunk per matrix would make a chunk per few
+  // elements); CUDA steps such a chunk a thread per matrix, and its Values step takes items of
+  // kMatricesPerItem matrices, a thread each. Larger matrices: chunks of rows of one.
   bool small_matrices() const;
 };
 constexpr int64_t kSmallMatrixElements = 256;
-constexpr int64_t kMatricesPerChunk = 256;  // (CUDA: a thread each, OF_THREADS)
+constexpr int64_t kMatricesPerItem = 256;  // (OF_THREADS)
 MatrixView matrix_view(const TensorRef& t);
 // "R x C matrix view" or "batch of B R x C matrices", for error messages.
 std::string describe_view(const TensorRef& t);

@@ -52,13 +52,13 @@ struct Batch {
 class MatrixBatches : public ::testing::TestWithParam<Backend> {};
 
 TEST_P(MatrixBatches, EachMatrixOfABatchIsSteppedAsIfAlone) {
-  // Small matrices (whole ones in a chunk: at most 256 of them, so 600 3 x 3 ones are three chunks;
-  // 1 x 1 ones), matrices of several chunks (300 x 301: 90300 elements, chunks of 16384 or 65536 whole
+  // Small matrices (whole ones in a chunk: 3000 3 x 3 ones are two chunks of the CPU's 16384
+  // elements; 1 x 1 ones), matrices of several chunks (300 x 301: 90300 elements, chunks of 16384 or 65536 whole
   // rows, the last one of each matrix short) and one-row matrices.
   // alpha = max(eps2, RMS(p)) * rho and the RMS clip max(RMS(update) / d, 1) are constants here
   Chain adafactor_per_matrix = make_builtin("scale_by_adafactor", {{"lr", 0.05}, {"eps2", 1e3}, {"d", 1e30}});
   for (const Chain& c : {Chain{testing::row_and_column_max()}, adafactor_per_matrix}) {
-    std::vector<Batch> batched = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(5, 1, 7), Batch(600, 3, 3), Batch(300, 1, 1)};
+    std::vector<Batch> batched = {Batch(3, 4, 5), Batch(2, 300, 301), Batch(5, 1, 7), Batch(3000, 3, 3), Batch(300, 1, 1)};
     std::vector<Batch> alone = batched;
     std::vector<TensorRef> whole, separate;
     for (Batch& b : batched) whole.push_back(b.whole());
