@@ -163,6 +163,20 @@ def test_state_dicts_of_batched_matrices_load_both_ways():
         assert_params_and_states_match(second_p, ref_p, second, ref, 1e-6)
 
 
+def test_empty_parameters_of_any_shape_step_without_error():
+    """torch's Adafactor divides by zero on an empty parameter; ours steps the others and keeps torch's
+    state shapes for the empty ones."""
+    empty = [torch.nn.Parameter(torch.zeros(s)) for s in [(2, 0, 4), (0, 3, 4), (3, 4, 0), (0, 4)]]
+    w = torch.nn.Parameter(torch.ones(3, 4))
+    opt = oft.Adafactor(empty + [w], lr=0.1)
+    for p in empty + [w]:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert (w < 1).all()
+    assert opt.state[empty[0]]["col_var"].shape == (2, 1, 4)
+    assert opt.state[empty[2]]["row_var"].shape == (3, 4, 1)
+
+
 def test_complex_parameters_fail_at_step_as_in_torch():
     p = torch.randn(3, 4, dtype=torch.complex64, requires_grad=True)
     opt = oft.Adafactor([p])
