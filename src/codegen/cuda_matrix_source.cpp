@@ -501,12 +501,10 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "    float st[OF_ROLES];\n    float out[OF_ROW_VALUES_ARRAY > OF_COL_VALUES_ARRAY ? OF_ROW_VALUES_ARRAY : OF_COL_VALUES_ARRAY];\n"
     << "    double sums[OF_TENSOR_REDUCTIONS_ARRAY] = {0.0};\n"
     << "    if (item.rows == 2) {\n"
-    << "      // Whole small matrices: thread x takes matrices begin + x, + 256, ...: each one's tensor values,\n"
-    << "      // its rows (values and their sums, in row order), then its columns (one partial each: its chunk\n"
-    << "      // held all of it).\n"
-    << "      for (int j = threadIdx.x; j < item.count; j += OF_THREADS) {\n"
-    << "        const long long wb = item.begin + j;\n"
-    << "        for (int k = 0; k < OF_TENSOR_REDUCTIONS_ARRAY; ++k) sums[k] = 0.0;\n"
+    << "      // Whole small matrices: thread j takes matrix begin + j: its tensor values, its rows (values\n"
+    << "      // and their sums, in row order), then its columns (one partial each: its chunk held all of it).\n"
+    << "      if ((int)threadIdx.x < item.count) {\n"
+    << "        const long long wb = item.begin + threadIdx.x;\n"
     << "        double* const ws = mt.matrix_sums + (m.matrix_offset + wb) * OF_TENSOR_REDUCTIONS;\n        (void)ws;\n";
   if (L.tensor_values > 0)
     s << "        of_phase" << i << "_tensor(uni, tensor_reductions + (long long)item.tensor * OF_TENSOR_REDUCTIONS, ws, shape, u + OF_DERIVED);\n";

@@ -25,11 +25,11 @@ struct MatrixView {
   // A batch of small matrices (a convolution's 1 x 1, 3 x 3, 7 x 7 kernels): its chunks hold as many
   // whole matrices as a chunk's elements allow (one chunk per matrix would make a chunk per few
   // elements); CUDA steps such a chunk a thread per matrix, and its Values step takes items of
-  // kMatricesPerItem matrices, a thread per matrix. Larger matrices: chunks of rows of one.
+  // kMatricesPerItem matrices, a thread each. Larger matrices: chunks of rows of one.
   bool small_matrices() const;
 };
 constexpr int64_t kSmallMatrixElements = 256;
-constexpr int64_t kMatricesPerItem = 8192;  // (32 per thread of a CUDA block: fewer, larger items)
+constexpr int64_t kMatricesPerItem = 256;  // (OF_THREADS)
 MatrixView matrix_view(const TensorRef& t);
 // "R x C matrix view" or "batch of B R x C matrices", for error messages.
 std::string describe_view(const TensorRef& t);
@@ -56,7 +56,7 @@ std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors,
 
 // One block's work in the CUDA Values step: a range [begin, begin + count) of a tensor's columns
 // (rows == 0) or rows (rows == 1), within one matrix of its view, or (rows == 2, small matrices) of
-// its matrices, a thread per matrix. A matrix's row items are contiguous, `first` the index of its first
+// its matrices, a thread each. A matrix's row items are contiguous, `first` the index of its first
 // and `items` their number: the last of them to finish sums their sums of row values in item order.
 // The generated struct OfValueItem matches.
 struct ValueItem {
