@@ -222,7 +222,8 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
         if (r.states[s].numel != want)
           throw Error(where + what + " holds one value per " + (prog.states[s].shape == StateShape::Rows ? "row" : "column") + " of the " +
                       describe_view(r) + ": " + std::to_string(want) + " elements, got " + std::to_string(r.states[s].numel));
-        if (want > 0 && r.states[s].data == nullptr) throw Error(where + what + " has no data pointer");
+        // (an empty parameter's are never read or written: torch gives them no storage)
+        if (want > 0 && r.param.numel > 0 && r.states[s].data == nullptr) throw Error(where + what + " has no data pointer");
         if (r.states[s].stochastic_rounding)
           throw Error(where + what + ": stochastic rounding is for full-size states, not per-row or per-column ones");
       }

@@ -145,7 +145,7 @@ class Engine:
             numels.append(p.numel())
             if self.matrix:
                 cols.append(p.shape[-1] if p.dim() > 1 else 0)
-                matrix_rows.append(p.shape[-2] if p.dim() > 2 and p.numel() > 0 else 0)  # (an empty one: no rows to cut)
+                matrix_rows.append(p.shape[-2] if p.dim() > 2 and p.shape[-1] > 0 else 0)  # (no columns: no view)
             roles = [p, g] + list(states)
             dtypes.extend(_DTYPE_CODES[t.dtype] for t in roles)
             rounding.extend(k != 1 and stochastic[min(k, 1)] and t.dtype in (torch.float16, torch.bfloat16)
