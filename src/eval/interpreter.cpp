@@ -50,8 +50,7 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
       for (size_t t = 0; t < spans.size(); ++t) {
         if (spans[t].count == 0) continue;
         const int64_t C = ml.view_cols[t], per = ml.chunks_per_matrix[t];
-        const int64_t columns = (t + 1 < spans.size() ? ml.col_offset[t + 1] : ml.cols) - ml.col_offset[t];  // matrices x C
-        for (int64_t x = 0; x < columns; ++x) {  // column c of matrix b: the partials of the matrix's chunks, in order
+        for (int64_t x = 0; x < ml.cols_of(t); ++x) {  // column c of matrix b: the partials of the matrix's chunks, in order
           const int64_t b = x / C, c = x % C;
           double acc = 0;
           for (int64_t j = b * per; j < (b + 1) * per; ++j)

@@ -4,7 +4,8 @@
 // nor chunks matrices (build_chunks with whole rows), so a chunk's pass writes its rows' sums
 // directly; a column's sums are partials per chunk (C per chunk, at colpart_offset + (chunk within
 // the tensor) * C + column), combined in chunk order over the chunks of the column's matrix by the
-// Combine step. A tensor's columns are per matrix: column c of matrix b is column b * C + c.
+// Combine step; for chunks of whole small matrices, per matrix (at colpart_offset + matrix * C +
+// column). A tensor's columns are per matrix: column c of matrix b is column b * C + c.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -41,6 +42,7 @@ struct MatrixLayout {
   // each matrix's chunks (a chunk never spans two matrices)
   std::vector<int64_t> row_offset, col_offset, colpart_offset, first_chunk, matrix_offset, chunks_per_matrix, view_cols;
   int64_t rows = 0, cols = 0, colparts = 0, matrices = 0;  // totals
+  int64_t cols_of(size_t t) const { return (t + 1 < col_offset.size() ? col_offset[t + 1] : cols) - col_offset[t]; }  // matrices x C
 };
 MatrixLayout matrix_layout(const std::vector<TensorRef>& tensors, const std::vector<ChunkRange>& spans);
 
