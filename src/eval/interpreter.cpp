@@ -1,9 +1,11 @@
 #include "eval/interpreter.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ir/low_precision.h"
 #include "optfuse/error.h"
+#include "runtime/thread_pool.h"
 
 namespace optfuse {
 
@@ -133,8 +135,25 @@ std::array<double, 4> shape_values(const TensorRef& t) {
   return {static_cast<double>(t.param.numel), static_cast<double>(v.matrix_rows), static_cast<double>(v.cols), v.is_matrix ? 1.0 : 0.0};
 }
 
-void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, const double* reductions_row,
-                        const double* shape, std::vector<double>& val, const double* sums_row) {
+std::vector<NodeId> tensor_value_nodes(const Plan& plan, int limit, bool per_matrix_only) {
+  const Graph& g = plan.program.graph;
+  std::vector<bool> per_matrix(g.size(), false);  // reads a sum of row or column values, maybe through others
+  std::vector<NodeId> out;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_is_reduction(n.op)) {
+      per_matrix[i] = plan.kind[i] == ValueKind::Tensor && plan.is_value_reduction(static_cast<NodeId>(i));
+    } else {
+      for (int k = 0; k < op_arity(n.op); ++k) per_matrix[i] = per_matrix[i] || per_matrix[static_cast<size_t>(n.in[k])];
+    }
+    if (plan.kind[i] == ValueKind::Tensor && plan.level[i] <= limit && (!per_matrix_only || per_matrix[i]))
+      out.push_back(static_cast<NodeId>(i));
+  }
+  return out;
+}
+
+void eval_tensor_values(const Plan& plan, const std::vector<NodeId>& nodes, const double* derived_row,
+                        const double* reductions_row, const double* shape, std::vector<double>& val, const double* sums_row) {
   const Graph& g = plan.program.graph;
   auto input = [&](NodeId in) {
     const Node& n = g.node(in);
@@ -142,9 +161,9 @@ void eval_tensor_values(const Plan& plan, int limit, const double* derived_row, 
     if (plan.kind[static_cast<size_t>(in)] == ValueKind::Uniform) return derived_row[plan.derived_slot.at(in)];
     return val[static_cast<size_t>(in)];
   };
-  for (size_t i = 0; i < g.size(); ++i) {
-    if (plan.kind[i] != ValueKind::Tensor || plan.level[i] > limit) continue;
-    const Node& n = g.node(static_cast<NodeId>(i));
+  for (NodeId id : nodes) {
+    const size_t i = static_cast<size_t>(id);
+    const Node& n = g.node(id);
     if (op_is_reduction(n.op)) {
       const bool of_values = sums_row != nullptr && plan.is_value_reduction(static_cast<NodeId>(i));
       val[i] = (of_values ? sums_row : reductions_row)[plan.reduction_area_slot[plan.reduction_index(static_cast<NodeId>(i))]];
@@ -173,6 +192,8 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
   bool update = phase.kind == ElementPhase::Kind::Update;
   std::vector<T> val(g.size(), T(0));
   std::vector<double> tensor_val(plan.tensor_derived.empty() ? 0 : g.size(), 0.0);
+  const std::vector<NodeId> tensor_nodes = tensor_value_nodes(plan, plan.value_level_limit(phase));
+  const std::vector<NodeId> matrix_nodes = tensor_value_nodes(plan, plan.value_level_limit(phase), true);
   std::vector<size_t> red_slot;
   for (NodeId r : phase.reductions) red_slot.push_back(plan.reduction_index(r));
   for (size_t c = first; c < last; ++c) {
@@ -190,13 +211,13 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     const double* tensor_row = tensor_reductions.data() + tix * static_cast<size_t>(L.tensor_reductions);
     // This tensor's values, float64, rounded as they enter element math: per matrix of the view in
     // a matrix plan (they may read the matrix's sums of row values).
-    auto tensor_values = [&](int64_t matrix) {
+    auto tensor_values = [&](int64_t matrix, const std::vector<NodeId>& nodes) {
       if (plan.tensor_derived.empty()) return;
-      eval_tensor_values(plan, plan.value_level_limit(phase), derived, tensor_row, shape.data(), tensor_val,
+      eval_tensor_values(plan, nodes, derived, tensor_row, shape.data(), tensor_val,
                          m ? m->matrix_sums.data() + m->sums_at(tix, matrix) : nullptr);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
     };
-    tensor_values(m ? ch.begin / view.cols / view.matrix_rows : 0);
+    tensor_values(m ? ch.begin / view.cols / view.matrix_rows : 0, tensor_nodes);
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
@@ -222,7 +243,7 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
       col0 = m->layout.col_offset[tix] + b * view.cols;
       part0 = m->layout.colpart_offset[tix] + pr * view.cols;
       for (int64_t k = 0; k < view.cols * static_cast<int64_t>(CR); ++k) m->col_partials[static_cast<size_t>(part0 * static_cast<int64_t>(CR) + k)] = 0.0;
-      if (matrix != -1) tensor_values(b);  // (the first matrix's were evaluated above)
+      if (matrix != -1) tensor_values(b, matrix_nodes);  // (the first matrix's were evaluated above)
       matrix = b;
     };
     std::vector<double> row_acc(phase.reductions.size(), 0.0);
@@ -301,8 +322,7 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
   const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
   const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
   const size_t RT = static_cast<size_t>(L.tensor_reductions);
-  std::vector<T> val(g.size(), T(0));
-  std::vector<double> tensor_val(g.size(), 0.0);
+  const std::vector<NodeId> tensor_nodes = tensor_value_nodes(plan, limit), matrix_nodes = tensor_value_nodes(plan, limit, true);
   // The nodes of each kind to evaluate, and the sums of them, of the levels this pass may read.
   std::vector<NodeId> nodes[2], sums[2];
   for (size_t i = 0; i < g.size(); ++i) {
@@ -313,60 +333,76 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
     if (op_is_reduction(g.node(id).op) && plan.is_value_reduction(id))
       sums[plan.kind[static_cast<size_t>(g.node(id).in[0])] == ValueKind::Col].push_back(id);
   }
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    const TensorRef& ref = tensors[t];
-    if (ref.param.numel == 0) continue;  // no rows: its column (if any) has no values either (as on CUDA)
-    const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
-    const std::array<double, 4> shape = shape_values(ref);
-    const MatrixView view = matrix_view(ref);
-    for (int64_t b = 0; b < view.matrices; ++b) {  // matrix by matrix: its tensor values read its sums
-      double* sums_row = m.matrix_sums.data() + m.sums_at(t, b);
-      eval_tensor_values(plan, limit, derived, tensor_reductions.data() + t * RT, shape.data(), tensor_val, sums_row);
-      // Uniform and tensor inputs, rounded to T as they enter row and column math (as element math).
+  // Each reduction's slot in its table, found once (this runs per row and column of every matrix).
+  std::vector<size_t> slot_of(g.size(), 0);
+  for (size_t r = 0; r < plan.reductions.size(); ++r)
+    slot_of[static_cast<size_t>(plan.reductions[r])] = static_cast<size_t>(plan.reduction_area_slot[r]);
+  // Matrices are independent (their rows, columns and sums are their own): split across threads,
+  // each with its own scratch. A thread entering a tensor evaluates all of its tensor values, then,
+  // per further matrix, those that read the matrix's sums.
+  const MatrixLayout& ml = m.layout;
+  default_thread_pool().parallel_for(ml.matrices, [&](int64_t k0, int64_t k1) {
+    std::vector<T> val(g.size(), T(0));
+    std::vector<double> tensor_val(g.size(), 0.0);
+    std::vector<double> acc[2] = {std::vector<double>(sums[0].size()), std::vector<double>(sums[1].size())};
+    size_t t = static_cast<size_t>(std::upper_bound(ml.matrix_offset.begin(), ml.matrix_offset.end(), k0) - ml.matrix_offset.begin()) - 1;
+    for (int64_t k = k0; k < k1;) {
+      while (t + 1 < tensors.size() && ml.matrix_offset[t + 1] <= k) ++t;
+      const TensorRef& ref = tensors[t];
+      const MatrixView view = matrix_view(ref);
+      const int64_t first_b = k - ml.matrix_offset[t], last_b = std::min(view.matrices, k1 - ml.matrix_offset[t]);
+      k = ml.matrix_offset[t] + std::max(last_b, first_b + 1);
+      if (ref.param.numel == 0) continue;  // no rows: its column (if any) has no values either (as on CUDA)
+      const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
+      const std::array<double, 4> shape = shape_values(ref);
+      // Uniform inputs, rounded to T as they enter row and column math (as element math).
       for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
-      for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
       for (size_t i = 0; i < g.size(); ++i)
         if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
-      for (int side = 0; side < 2; ++side) {  // rows, then columns
-        const bool cols = side == 1;
-        const int64_t count = cols ? view.cols : view.matrix_rows;
-        const int64_t first = cols ? m.layout.col_offset[t] + b * view.cols : m.layout.row_offset[t] + b * view.matrix_rows;
-        const int64_t element0 = cols ? b * view.cols : b * view.matrix_rows;  // of the Rows / Cols state
-        const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
-        std::vector<double>& values = cols ? m.col_values : m.row_values;
-        const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
-        const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
-        std::vector<double> acc(sums[side].size(), 0.0);
-        for (int64_t x = 0; x < count; ++x) {
-          for (NodeId id : nodes[side]) {
-            const Node& n = g.node(id);
-            const size_t i = static_cast<size_t>(id);
-            if (n.op == Op::State) {
-              const Buffer& buf = ref.states[static_cast<size_t>(n.index)];
-              val[i] = static_cast<T>(load_element(buf.data, buf.dtype, element0 + x));
-            } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
-              val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red +
-                                                 static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(id)])]);
-            } else {
-              T a = val[static_cast<size_t>(n.in[0])];
-              T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
-              T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
-              val[i] = apply_op<T>(n.op, a, y, z);
+      for (int64_t b = first_b; b < last_b; ++b) {  // matrix by matrix: its tensor values read its sums
+        double* sums_row = m.matrix_sums.data() + m.sums_at(t, b);
+        eval_tensor_values(plan, b == first_b ? tensor_nodes : matrix_nodes, derived, tensor_reductions.data() + t * RT,
+                           shape.data(), tensor_val, sums_row);
+        for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
+        for (int side = 0; side < 2; ++side) {  // rows, then columns
+          const bool cols = side == 1;
+          const int64_t count = cols ? view.cols : view.matrix_rows;
+          const int64_t first = cols ? m.layout.col_offset[t] + b * view.cols : m.layout.row_offset[t] + b * view.matrix_rows;
+          const int64_t element0 = cols ? b * view.cols : b * view.matrix_rows;  // of the Rows / Cols state
+          const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
+          std::vector<double>& values = cols ? m.col_values : m.row_values;
+          const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
+          const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
+          std::fill(acc[side].begin(), acc[side].end(), 0.0);
+          for (int64_t x = 0; x < count; ++x) {
+            for (NodeId id : nodes[side]) {
+              const Node& n = g.node(id);
+              const size_t i = static_cast<size_t>(id);
+              if (n.op == Op::State) {
+                const Buffer& buf = ref.states[static_cast<size_t>(n.index)];
+                val[i] = static_cast<T>(load_element(buf.data, buf.dtype, element0 + x));
+              } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
+                val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red + slot_of[i]]);
+              } else {
+                T a = val[static_cast<size_t>(n.in[0])];
+                T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
+                T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
+                val[i] = apply_op<T>(n.op, a, y, z);
+              }
+            }
+            for (size_t d = 0; d < derived_ids.size(); ++d)
+              if (plan.level[static_cast<size_t>(derived_ids[d])] <= limit)
+                values[static_cast<size_t>(first + x) * per_val + d] = static_cast<double>(val[static_cast<size_t>(derived_ids[d])]);
+            for (size_t q = 0; q < sums[side].size(); ++q) {
+              const Node& rn = g.node(sums[side][q]);
+              acc[side][q] = reduce_add(rn.op, acc[side][q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
             }
           }
-          for (size_t k = 0; k < derived_ids.size(); ++k)
-            if (plan.level[static_cast<size_t>(derived_ids[k])] <= limit)
-              values[static_cast<size_t>(first + x) * per_val + k] = static_cast<double>(val[static_cast<size_t>(derived_ids[k])]);
-          for (size_t q = 0; q < sums[side].size(); ++q) {
-            const Node& rn = g.node(sums[side][q]);
-            acc[q] = reduce_add(rn.op, acc[q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
-          }
+          for (size_t q = 0; q < sums[side].size(); ++q) sums_row[slot_of[static_cast<size_t>(sums[side][q])]] = acc[side][q];
         }
-        for (size_t q = 0; q < sums[side].size(); ++q)
-          sums_row[static_cast<size_t>(plan.reduction_area_slot[plan.reduction_index(sums[side][q])])] = acc[q];
       }
     }
-  }
+  });
 }
 
 template void run_values_step<double>(const Plan&, size_t, const std::vector<TensorRef>&, const double*, int,
