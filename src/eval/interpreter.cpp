@@ -206,18 +206,17 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     for (size_t d = 0; d < plan.derived.size(); ++d)
       val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
     const MatrixView view = matrix_view(t);
-    const std::array<double, 4> shape = shape_values(t);
     const size_t tix = static_cast<size_t>(ch.tensor);
-    const double* tensor_row = tensor_reductions.data() + tix * static_cast<size_t>(L.tensor_reductions);
     // This tensor's values, float64, rounded as they enter element math: per matrix of the view in
-    // a matrix plan (they may read the matrix's sums of row values).
+    // a matrix plan (they may read the matrix's sums of row values; entering a matrix evaluates them).
     auto tensor_values = [&](int64_t matrix, const std::vector<NodeId>& nodes) {
       if (plan.tensor_derived.empty()) return;
-      eval_tensor_values(plan, nodes, derived, tensor_row, shape.data(), tensor_val,
-                         m ? m->matrix_sums.data() + m->sums_at(tix, matrix) : nullptr);
+      const std::array<double, 4> shape = shape_values(t);
+      eval_tensor_values(plan, nodes, derived, tensor_reductions.data() + tix * static_cast<size_t>(L.tensor_reductions),
+                         shape.data(), tensor_val, m ? m->matrix_sums.data() + m->sums_at(tix, matrix) : nullptr);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
     };
-    tensor_values(m ? ch.begin / view.cols / view.matrix_rows : 0, tensor_nodes);
+    if (!m) tensor_values(0, tensor_nodes);
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
@@ -243,7 +242,7 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
       col0 = m->layout.col_offset[tix] + b * view.cols;
       part0 = m->layout.colpart_offset[tix] + pr * view.cols;
       for (int64_t k = 0; k < view.cols * static_cast<int64_t>(CR); ++k) m->col_partials[static_cast<size_t>(part0 * static_cast<int64_t>(CR) + k)] = 0.0;
-      if (matrix != -1) tensor_values(b, matrix_nodes);  // (the first matrix's were evaluated above)
+      tensor_values(b, matrix == -1 ? tensor_nodes : matrix_nodes);  // (a later matrix: those that read its sums)
       matrix = b;
     };
     std::vector<double> row_acc(phase.reductions.size(), 0.0);
