@@ -94,6 +94,82 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   return s.str();
 }
 
+// Phase i's Values step over matrices [k0, k1) of the tensor list (the host thread pool splits
+// them): per matrix, its tensor values (they may read its sums), then its rows in order (values and
+// their sums), then its columns in order. The interpreter's run_values_step<float> does the same
+// math in the same order (bitwise equal: test_matrix_scope.cpp).
+std::string values_function(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
+  const ScalarLayout& L = plan.layout;
+  const int limit = plan.value_level_limit(plan.phases[i]);
+  const size_t D = plan.derived.size();
+  const size_t nvalues = std::max<size_t>(D + static_cast<size_t>(L.tensor_values + L.row_values + L.col_values), 1);
+  std::ostringstream s;
+  for (size_t k = 0; k < variants.size(); ++k) {  // the Rows or Cols states of element x, as float
+    s << "\nstatic inline void of_values" << i << "_states_v" << k << "(const OfTensor& t, long long x, bool cols, float* st) {\n";
+    for (int side = 0; side < 2; ++side) {
+      s << (side == 0 ? "  if (cols) {\n" : "  } else {\n");
+      const StateShape want = side == 0 ? StateShape::Cols : StateShape::Rows;
+      for (size_t st = 0; st < plan.program.states.size(); ++st)
+        if (plan.program.states[st].shape == want)
+          s << "    st[" << st << "] = of_ld((const " << storage_type(variants[k][2 + st].dtype) << "*)t.ptr[" << 2 + st << "], x);\n";
+    }
+    s << "  }\n  (void)t; (void)x; (void)st;\n}\n";
+  }
+  // Row (column) x of matrix b: its states, its values from them and its reductions, its share of sums.
+  auto line = [&](bool cols) {
+    const std::string x = cols ? "m.col_offset + b * C + x" : "m.row_offset + b * R + x";
+    const std::vector<NodeId>& outs = cols ? plan.col_derived : plan.row_derived;
+    std::ostringstream o;
+    o << "      for (long long x = 0; x < " << (cols ? "C" : "R") << "; ++x) {\n        switch (t.variant) {\n";
+    for (size_t k = 0; k < variants.size(); ++k)
+      o << "          case " << k << ": of_values" << i << "_states_v" << k << "(t, b * " << (cols ? "C" : "R")
+        << " + x, " << (cols ? "true" : "false") << ", st); break;\n";
+    o << "          default: break;\n        }\n"
+      << "        of_phase" << i << (cols ? "_cols(u, st, col_red + (" : "_rows(u, st, row_red + (") << x << ") * "
+      << (cols ? "OF_COL_REDS" : "OF_ROW_REDS") << ", out, sums);\n";
+    for (size_t q = 0; q < outs.size(); ++q)
+      if (plan.level[static_cast<size_t>(outs[q])] <= limit)
+        o << "        " << (cols ? "col_val[(" : "row_val[(") << x << ") * " << (cols ? "OF_COL_VALUES + " : "OF_ROW_VALUES + ")
+          << q << "] = out[" << q << "];\n";
+    o << "      }\n";
+    return o.str();
+  };
+  s << "\n// The Values step before pass " << i << " (levels <= " << limit << ")\n"
+    << "extern \"C\" void of_values" << i
+    << "(const OfTensor* tensors, const OfMatrix* mats, long long num_tensors, long long total_matrices, long long k0, "
+       "long long k1, const double* derived, int derived_per_group, const double* tensor_reductions, "
+       "int tensor_reductions_per_tensor, const double* row_red, const double* col_red, double* row_val, double* col_val, "
+       "double* matrix_sums) {\n"
+    << "  long long lo = 0, hi = num_tensors - 1;  // the last tensor whose first matrix is <= k0\n"
+    << "  while (lo < hi) {\n    const long long mid = (lo + hi + 1) / 2;\n"
+    << "    if (mats[mid].matrix_offset <= k0) lo = mid; else hi = mid - 1;\n  }\n"
+    << "  for (long long ti = lo; ti < num_tensors && mats[ti].matrix_offset < k1; ++ti) {\n"
+    << "    const OfTensor& t = tensors[ti];\n    const OfMatrix& m = mats[ti];\n"
+    << "    if (t.numel == 0) continue;  // no rows: its column (if any) has no values either\n"
+    << "    const long long end = ti + 1 < num_tensors ? mats[ti + 1].matrix_offset : total_matrices;\n"
+    << "    const long long b0 = (k0 > m.matrix_offset ? k0 : m.matrix_offset) - m.matrix_offset;\n"
+    << "    const long long b1 = (k1 < end ? k1 : end) - m.matrix_offset;\n"
+    << "    const long long C = m.cols, R = m.matrix_rows;\n"
+    << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
+    << "    float u[" << nvalues << "] = {0.0f};\n"
+    << "    for (int d = 0; d < " << D << "; ++d) u[d] = (float)row[d];\n"
+    << "    double shape[4];\n    of_shape(t, m, shape);\n"
+    << "    float st[OF_ROLES];\n    float out[" << std::max({L.row_values, L.col_values, 1}) << "];\n"
+    << "    (void)shape; (void)st; (void)out; (void)tensor_reductions; (void)tensor_reductions_per_tensor;\n"
+    << "    for (long long b = b0; b < b1; ++b) {\n"
+    << "      double* const ws = matrix_sums + (m.matrix_offset + b) * tensor_reductions_per_tensor;\n      (void)ws;\n";
+  if (L.tensor_values > 0)
+    s << "      of_phase" << i << "_tensor(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " << D << ");\n";
+  s << "      double sums[" << std::max(L.tensor_reductions, 1) << "] = {0.0};\n" << line(false) << line(true);
+  for (size_t r = 0; r < plan.reductions.size(); ++r) {  // this matrix's sums of row and column values
+    const NodeId node = plan.reductions[r];
+    if (plan.is_value_reduction(node) && plan.level[static_cast<size_t>(node)] <= limit)
+      s << "      ws[" << plan.reduction_area_slot[r] << "] = sums[" << plan.reduction_area_slot[r] << "];\n";
+  }
+  s << "      (void)sums;\n    }\n  }\n  (void)row_red; (void)col_red; (void)row_val; (void)col_val;\n}\n";
+  return s.str();
+}
+
 }  // namespace
 
 std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
@@ -130,6 +206,7 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";
   s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)steps; (void)tensor_reductions; (void)derived;\n}\n";
+  s << values_function(plan, i, variants);
   return s.str();
 }
 

@@ -28,6 +28,11 @@ using MatrixPhaseFn = void (*)(const void* tensors, const Chunk* chunks, long lo
                                const double* tensor_reductions, int tensor_reductions_per_tensor, double* partials,
                                long long num_chunks, const DeviceMatrix* mats, double* row_red, double* col_part,
                                const double* row_val, const double* col_val, const double* matrix_sums);
+// A matrix plan's Values step over matrices [k0, k1) (codegen/cpu_matrix_source.h).
+using ValuesFn = void (*)(const void* tensors, const DeviceMatrix* mats, long long num_tensors, long long total_matrices,
+                          long long k0, long long k1, const double* derived, int derived_per_group,
+                          const double* tensor_reductions, int tensor_reductions_per_tensor, const double* row_red,
+                          const double* col_red, double* row_val, double* col_val, double* matrix_sums);
 
 class CpuExecutor : public HostExecutor {
  public:
@@ -129,7 +134,20 @@ class CpuExecutor : public HostExecutor {
   }
 
   void run_values(size_t index) override {
-    run_values_step<float>(plan_, index, tensors_, table_.data(), groups_, tensor_reductions_, matrix_);
+    if (values_fns_.empty()) {  // no compiler: the float32 interpreter
+      run_values_step<float>(plan_, index, tensors_, table_.data(), groups_, tensor_reductions_, matrix_);
+      return;
+    }
+    // Matrices are independent (their rows, columns and sums are their own): split across threads.
+    const ScalarLayout& L = plan_.layout;
+    MatrixTables& m = matrix_;
+    const double* derived = table_.data() + L.derived_offset(groups_);
+    ValuesFn fn = values_fns_[index];
+    default_thread_pool().parallel_for(m.layout.matrices, [&](int64_t b, int64_t e) {
+      fn(table_words_.data(), mats_.data(), static_cast<long long>(tensors_.size()), m.layout.matrices, b, e, derived,
+         L.derived_per_group, tensor_reductions_.data(), L.tensor_reductions, m.row_reductions.data(),
+         m.col_reductions.data(), m.row_values.data(), m.col_values.data(), m.matrix_sums.data());
+    });
   }
 
  private:
@@ -140,15 +158,21 @@ class CpuExecutor : public HostExecutor {
     auto lib = std::make_unique<host::SharedLibrary>(r.so_path);
     std::vector<PhaseFn> fns;
     std::vector<MatrixPhaseFn> matrix_fns;
+    std::vector<ValuesFn> values_fns;
     for (size_t i = 0; i < plan_.phases.size(); ++i) {
       void* f = lib->symbol("of_phase" + std::to_string(i));
-      if (plan_.matrix()) matrix_fns.push_back(reinterpret_cast<MatrixPhaseFn>(f));
-      else fns.push_back(reinterpret_cast<PhaseFn>(f));
+      if (plan_.matrix()) {
+        matrix_fns.push_back(reinterpret_cast<MatrixPhaseFn>(f));
+        values_fns.push_back(reinterpret_cast<ValuesFn>(lib->symbol("of_values" + std::to_string(i))));
+      } else {
+        fns.push_back(reinterpret_cast<PhaseFn>(f));
+      }
     }
     source_ = std::move(source);
     lib_ = std::move(lib);
     fns_ = std::move(fns);
     matrix_fns_ = std::move(matrix_fns);
+    values_fns_ = std::move(values_fns);
     char buf[200];
     std::snprintf(buf, sizeof buf, "compiled C++ (%s, %.3f s), %d threads, %zu storage variant(s)",
                   r.from_cache ? "cached" : "compiled now", r.seconds, default_thread_count(), variants_.size());
@@ -161,6 +185,7 @@ class CpuExecutor : public HostExecutor {
   std::unique_ptr<host::SharedLibrary> lib_;
   std::vector<PhaseFn> fns_;               // a vector plan's phases, or
   std::vector<MatrixPhaseFn> matrix_fns_;  // a matrix plan's
+  std::vector<ValuesFn> values_fns_;       // and its Values steps
   std::vector<DeviceMatrix> mats_;         // matrix plans: per tensor, its view and table offsets
   std::vector<uint64_t> table_words_;
   std::vector<ChunkRange> ranges_;        // per tensor, its chunks (for update_pointers)

@@ -37,6 +37,18 @@ Chain row_and_column_sums() {
   return {r};
 }
 
+// cols <- column sums of g^2; the update is g * (the tensor's sum of them): a per-tensor (per matrix
+// of a batch) sum of column values, which only the host backends run.
+Chain sum_of_columns() {
+  Rule r("sum_of_columns");
+  r.col_state("cols").update([](RuleBuilder& b) {
+    Expr cols = col_sum_of_squares(b.update());
+    b.set_state("cols", cols);
+    return b.update() * tensor_sum(cols);
+  });
+  return {r};
+}
+
 struct Matrix {
   int64_t rows, cols;  // cols 0: no matrix view (a column of rows elements)
   std::vector<float> p, g, row_state, col_state;
@@ -232,13 +244,16 @@ TEST_P(MatrixScope, MaxOfAbsPerRowAndColumn) {
   }
 }
 
-// The CPU backend's generated matrix loops and its float32 interpreter (no compiler) take every sum in
-// the same order (rows, columns and chunks in order), so they agree bitwise: row and column sums,
-// maxima of abs, a per-tensor sum of row values, Adafactor; float32 and bfloat16 storage.
+// The CPU backend's generated matrix loops and Values steps and its float32 interpreter (no
+// compiler) take every sum in the same order (rows, columns and chunks in order), so they agree
+// bitwise: row and column sums, maxima of abs, per-tensor sums of row values and of column values,
+// Adafactor; float32 and bfloat16 storage; single matrices and batches of large and of small ones.
 TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
   const std::vector<testing::TensorSpec> sizes = {{300 * 1001, 0, 1001}, {65537, 1, 0}, {3, 0, 3}, {2 * 20000, 1, 20000},
-                                                  {17 * 5, 1, 5}, {1, 0, 0}, {3 * 300 * 301, 1, 301, 300}};
-  for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), Chain{testing::row_and_column_max()}})
+                                                  {17 * 5, 1, 5}, {1, 0, 0}, {3 * 300 * 301, 1, 301, 300},
+                                                  {2000 * 3 * 3, 0, 3, 3}, {700, 1, 1, 1}, {50 * 4 * 7, 0, 7, 4}};
+  for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), sum_of_columns(),
+                         Chain{testing::row_and_column_max()}})
     for (DType d : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(std::string(build_program(c).chain_text) + ", " + dtype_name(d));
       Optimizer compiled(c, Backend::cpu, 2);
@@ -265,19 +280,13 @@ TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
 
 TEST(MatrixScope, CudaRefusesPerTensorSumsOfColumnValues) {
   // Its Values step cuts a tensor's columns across blocks: a sum over them is not built there yet.
-  Rule r("sum_of_columns");
-  r.col_state("cols").update([](RuleBuilder& b) {
-    Expr cols = col_sum_of_squares(b.update());
-    b.set_state("cols", cols);
-    return b.update() * tensor_sum(cols);
-  });
   try {
-    Optimizer opt(Chain{r}, Backend::cuda);
+    Optimizer opt(sum_of_columns(), Backend::cuda);
     FAIL() << "the CUDA backend accepted a per-tensor sum of column values";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("per-tensor sums of column values"), std::string::npos) << e.what();
   }
-  EXPECT_NO_THROW(Optimizer(Chain{r}, Backend::reference));
+  EXPECT_NO_THROW(Optimizer(sum_of_columns(), Backend::reference));
 }
 
 }  // namespace
