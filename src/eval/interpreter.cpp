@@ -431,7 +431,12 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
       const size_t per = static_cast<size_t>(cols ? L.col_values : L.row_values);
       const size_t k = plan.line_value_index(out);
       const std::vector<double>& values = cols ? m.col_values : m.row_values;
-      for (int64_t x = 0; x < count; ++x) store_element(b.data, b.dtype, x, values[static_cast<size_t>(first + x) * per + k]);
+      auto copy = [&](int64_t x0, int64_t x1) {
+        for (int64_t x = x0; x < x1; ++x) store_element(b.data, b.dtype, x, values[static_cast<size_t>(first + x) * per + k]);
+      };
+      // A copy per element: worth the pool's wake-up only for long ones (a batch of small matrices' rows).
+      if (count >= (int64_t{1} << 16)) default_thread_pool().parallel_for(count, copy);
+      else copy(0, count);
     }
   }
 }
