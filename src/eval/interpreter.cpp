@@ -48,17 +48,34 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
     if (plan.scope_of(r) == Scope::Col) {  // per column: the column partials of the tensor's chunks, in order
       if (m == nullptr) throw Error("combine_partials: column reductions need the matrix tables");
       const MatrixLayout& ml = m->layout;
-      const size_t cr = static_cast<size_t>(L.col_reductions);
+      const int64_t cr = L.col_reductions;
       for (size_t t = 0; t < spans.size(); ++t) {
         if (spans[t].count == 0) continue;
         const int64_t C = ml.view_cols[t], per = ml.chunks_per_matrix[t];
-        for (int64_t x = 0; x < ml.cols_of(t); ++x) {  // column c of matrix b: the partials of the matrix's chunks, in order
-          const int64_t b = x / C, c = x % C;
-          double acc = 0;
-          for (int64_t j = b * per; j < (b + 1) * per; ++j)
-            acc = add(acc, m->col_partials[static_cast<size_t>(ml.colpart_offset[t] + j * C + c) * cr + static_cast<size_t>(slot)]);
-          m->col_reductions[static_cast<size_t>(ml.col_offset[t] + x) * cr + static_cast<size_t>(slot)] = acc;
-        }
+        // Column c of matrix b: the partials of the matrix's chunks, in chunk order. Chunk by chunk
+        // over a run of columns (the partials of one chunk are contiguous), not column by column
+        // (a stride of a chunk's partials per add); runs of columns split across threads. Each
+        // column's sum is the same fold in the same order either way.
+        const double* part = m->col_partials.data() + ml.colpart_offset[t] * cr + slot;
+        double* out = m->col_reductions.data() + ml.col_offset[t] * cr + slot;
+        auto columns_of = [&](int64_t x0, int64_t x1) {
+          for (int64_t x = x0; x < x1; ++x) out[x * cr] = 0.0;
+          for (int64_t x = x0; x < x1;) {  // the columns of matrix b in [x0, x1)
+            const int64_t b = x / C, end = std::min(x1, (b + 1) * C);
+            for (int64_t j = b * per; j < (b + 1) * per; ++j) {
+              const double* pj = part + (j * C - b * C) * cr;
+              if (op == Op::Sum || op == Op::SumSquares) {
+                for (int64_t y = x; y < end; ++y) out[y * cr] += pj[y * cr];
+              } else {
+                for (int64_t y = x; y < end; ++y) out[y * cr] = add(out[y * cr], pj[y * cr]);
+              }
+            }
+            x = end;
+          }
+        };
+        const int64_t columns_of_t = ml.cols_of(t);
+        if (columns_of_t * per >= (int64_t{1} << 16)) default_thread_pool().parallel_for(columns_of_t, columns_of);
+        else columns_of(0, columns_of_t);
       }
       continue;
     }
