@@ -332,20 +332,52 @@ std::string CPrinter::scalar_function(size_t phase) const {
   return s.str();
 }
 
-std::string CPrinter::tensor_function(size_t phase) const {
+std::string CPrinter::tensor_function(size_t phase) const { return tensor_values_function(phase, false); }
+
+std::string CPrinter::per_matrix_tensor_function(size_t phase) const {
+  return plan_.matrix() ? tensor_values_function(phase, true) : std::string();
+}
+
+std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only) const {
   const Program& p = plan_.program;
   const Graph& g = p.graph;
   const int limit = plan_.value_level_limit(plan_.phases.at(phase));
+  // The values to print: every tensor value of the levels this phase reads, or (per_matrix_only)
+  // the outputs that read a sum of row or column values, maybe through others, and their inputs.
+  std::vector<bool> print(g.size(), !per_matrix_only);
+  if (per_matrix_only) {
+    std::vector<bool> per_matrix(g.size(), false);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const Node& n = g.node(static_cast<NodeId>(i));
+      if (op_is_reduction(n.op)) per_matrix[i] = plan_.kind[i] == ValueKind::Tensor && plan_.is_value_reduction(static_cast<NodeId>(i));
+      else
+        for (int k = 0; k < op_arity(n.op); ++k) per_matrix[i] = per_matrix[i] || per_matrix[static_cast<size_t>(n.in[k])];
+    }
+    std::vector<NodeId> stack;
+    for (NodeId t : plan_.tensor_derived)
+      if (plan_.level[static_cast<size_t>(t)] <= limit && per_matrix[static_cast<size_t>(t)]) stack.push_back(t);
+    if (stack.empty()) return std::string();
+    while (!stack.empty()) {
+      const NodeId id = stack.back();
+      stack.pop_back();
+      if (plan_.kind[static_cast<size_t>(id)] != ValueKind::Tensor || print[static_cast<size_t>(id)]) continue;
+      print[static_cast<size_t>(id)] = true;
+      const Node& n = g.node(id);
+      if (!op_is_reduction(n.op))
+        for (int k = 0; k < op_arity(n.op); ++k) stack.push_back(n.in[k]);
+    }
+  }
   std::ostringstream s;
-  s << "\n// phase " << phase << ": values of one tensor (from its group's derived row and its reductions), float64 math\n";
+  s << "\n// phase " << phase << ": values of one tensor (from its group's derived row and its reductions), float64 math"
+    << (per_matrix_only ? "; only those that read the matrix's sums" : "") << "\n";
   // A matrix plan's tensor values may read the tensor's shape (Op::Shape: numel, rows of a matrix,
   // cols, is_matrix) and the sums of row and column values of the matrix they are for (`sums`).
   const bool shaped = plan_.matrix();
-  s << "OF_FN void of_phase" << phase << "_tensor(const double* derived, const double* reductions, "
+  s << "OF_FN void of_phase" << phase << (per_matrix_only ? "_tensor_matrix" : "_tensor") << "(const double* derived, const double* reductions, "
     << (shaped ? "const double* sums, const double* shape, " : "") << "float* u) {\n";
   std::set<NodeId> declared;
   for (size_t i = 0; i < g.size(); ++i) {
-    if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit) continue;
+    if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit || !print[i]) continue;
     const Node& n = g.node(static_cast<NodeId>(i));
     if (op_is_reduction(n.op)) {
       s << "  const double " << value_name(static_cast<NodeId>(i)) << " = "
@@ -367,7 +399,7 @@ std::string CPrinter::tensor_function(size_t phase) const {
   }
   const size_t d = plan_.derived.size();
   for (size_t k = 0; k < plan_.tensor_derived.size(); ++k)
-    if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit)
+    if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit && print[static_cast<size_t>(plan_.tensor_derived[k])])
       s << "  u[" << k << "] = (float)" << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k << "] of the element function\n";
   s << "  (void)derived; (void)reductions; (void)u;" << (shaped ? " (void)sums; (void)shape;" : "") << "\n}\n";
   return s.str();

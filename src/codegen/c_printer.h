@@ -60,6 +60,10 @@ class CPrinter {
   std::string element_function(size_t phase) const;
   std::string scalar_function(size_t phase) const;
   std::string tensor_function(size_t phase) const;
+  // (matrix plans) of_phase<i>_tensor_matrix, same arguments: only the tensor values that read the
+  // matrix's sums of row or column values (and what they are computed from), for a loop entering a
+  // further matrix of a tensor whose other values it has; "" when no value reads the sums.
+  std::string per_matrix_tensor_function(size_t phase) const;
   // The Values step's function for one row (cols false) or one column of a matrix plan.
   std::string line_function(size_t phase, bool cols) const;
   // Everything above for every phase, in order: what a driver puts before its loops.
@@ -68,6 +72,7 @@ class CPrinter {
   const Plan& plan() const { return plan_; }
 
  private:
+  std::string tensor_values_function(size_t phase, bool per_matrix_only) const;
   std::string value_name(NodeId id) const;
   std::string expr(NodeId id, bool element) const;
   const Plan& plan_;

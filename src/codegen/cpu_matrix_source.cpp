@@ -59,15 +59,21 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   for (const MatrixReduction& r : reds) col_reds = col_reds || r.scope == Scope::Col;
   // The chunk holds rows of one matrix of the view, or several whole small matrices
   // (matrix_tables.h): entering a matrix sets its first column, its tensor values (they may read its
-  // sums of row values) and its column partials (the chunk's own where a matrix has several chunks,
-  // else the matrix's; every slot zeroed: an earlier pass's were combined before this one).
+  // sums of row values: all of them for the chunk's first matrix, then only those) and its column
+  // partials (the chunk's own where a matrix has several chunks, else the matrix's; every slot
+  // zeroed: an earlier pass's were combined before this one).
+  const bool per_matrix_values = !CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i).empty();
   s << "  long long mb = -1, col0 = 0;\n  double* part = col_part;\n  (void)col0; (void)part;\n";
   s << "  for (int r = 0; r < rows; ++r) {\n"
     << "    if ((r0 + r) / m.matrix_rows != mb) {\n"
+    << "      const bool first = mb < 0;\n      (void)first;\n"
     << "      mb = (r0 + r) / m.matrix_rows;\n      col0 = m.col_offset + mb * C;\n";
-  if (L.tensor_values > 0)
-    s << "      of_phase" << i << "_tensor(derived_row, tensor_row, matrix_sums + (m.matrix_offset + mb) * sums_per_matrix, shape, u + "
-      << plan.derived.size() << ");\n";
+  if (L.tensor_values > 0) {
+    const std::string args = "(derived_row, tensor_row, matrix_sums + (m.matrix_offset + mb) * sums_per_matrix, shape, u + " +
+                             std::to_string(plan.derived.size()) + ");\n";
+    s << "      if (first) of_phase" << i << "_tensor" << args;
+    if (per_matrix_values) s << "      else of_phase" << i << "_tensor_matrix" << args;
+  }
   if (col_reds)
     s << "      part = col_part + (m.colpart_offset + (m.chunks_per_matrix > 1 ? chunk_in_tensor : mb) * C) * OF_COL_REDS;\n"
       << "      for (long long x = 0; x < C * OF_COL_REDS; ++x) part[x] = 0.0;\n";
@@ -158,8 +164,11 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
     << "    (void)shape; (void)st; (void)out; (void)tensor_reductions; (void)tensor_reductions_per_tensor;\n"
     << "    for (long long b = b0; b < b1; ++b) {\n"
     << "      double* const ws = matrix_sums + (m.matrix_offset + b) * tensor_reductions_per_tensor;\n      (void)ws;\n";
-  if (L.tensor_values > 0)
-    s << "      of_phase" << i << "_tensor(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " << D << ");\n";
+  if (L.tensor_values > 0) {  // all of them for the first matrix, then those that read its sums
+    const std::string args = "(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " + std::to_string(D) + ");\n";
+    s << "      if (b == b0) of_phase" << i << "_tensor" << args;
+    if (!CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i).empty()) s << "      else of_phase" << i << "_tensor_matrix" << args;
+  }
   s << "      double sums[" << std::max(L.tensor_reductions, 1) << "] = {0.0};\n" << line(false) << line(true);
   for (size_t r = 0; r < plan.reductions.size(); ++r) {  // this matrix's sums of row and column values
     const NodeId node = plan.reductions[r];
@@ -185,6 +194,7 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   s << "\n#undef OF_ROW_REDS\n#define OF_ROW_REDS " << std::max(L.row_reductions, 1) << "\n#undef OF_COL_REDS\n#define OF_COL_REDS "
     << std::max(L.col_reductions, 1) << "\n#undef OF_ROW_VALUES\n#define OF_ROW_VALUES " << std::max(L.row_values, 1)
     << "\n#undef OF_COL_VALUES\n#define OF_COL_VALUES " << std::max(L.col_values, 1) << "\n";
+  s << CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i);
   for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds);
   s << "\nextern \"C\" void of_phase" << i
     << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
