@@ -29,10 +29,11 @@ def report(out_dir, rank, out):
 
     Why not a normal exit: in about one run in thirty, a gloo rank aborted ("terminate called without
     an active exception", SIGABRT) after its work and its JSON were done, during the interpreter's
-    finalization (faulthandler showed the main thread with no Python frame): objects still holding
-    torch's process groups (DeviceMesh, FSDP state) are torn down then, and a native thread that
-    needs the GIL at that point is unwound by Python (torch's abandoned atexit fix, pytorch#179291).
-    The results are written and flushed before, so skipping finalization loses nothing."""
+    finalization (faulthandler showed the main thread with no Python frame). Most likely objects
+    still holding torch's process groups (DeviceMesh, FSDP state) are torn down then and a native
+    thread that needs the GIL is unwound by Python, as in torch's abandoned atexit fix
+    (pytorch/pytorch#179291); no core dump was caught to name the thread. The results are written
+    and flushed before, so skipping finalization loses nothing."""
     import os
     import sys
     import torch.distributed as dist
