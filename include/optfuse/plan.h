@@ -114,6 +114,10 @@ struct Plan {
   int value_level_limit(const ElementPhase& ph) const {
     return ph.kind == ElementPhase::Kind::Update ? ph.level : ph.level - 1;
   }
+  // The tensor values of level <= limit, in graph order. per_matrix_only (matrix plans): those that
+  // read a sum of row or column values, maybe through others (what entering another matrix of the
+  // same tensor changes).
+  std::vector<NodeId> tensor_value_nodes(int limit, bool per_matrix_only = false) const;
   int max_level() const { return phases.empty() ? 0 : phases.back().level; }
   // Human-readable: phases, what each reads and writes, bytes per element for a storage dtype.
   std::string describe(DType storage = DType::f32) const;

@@ -347,15 +347,10 @@ std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only)
   std::vector<bool> print(g.size(), !per_matrix_only);
   if (per_matrix_only) {
     std::vector<bool> per_matrix(g.size(), false);
-    for (size_t i = 0; i < g.size(); ++i) {
-      const Node& n = g.node(static_cast<NodeId>(i));
-      if (op_is_reduction(n.op)) per_matrix[i] = plan_.kind[i] == ValueKind::Tensor && plan_.is_value_reduction(static_cast<NodeId>(i));
-      else
-        for (int k = 0; k < op_arity(n.op); ++k) per_matrix[i] = per_matrix[i] || per_matrix[static_cast<size_t>(n.in[k])];
-    }
+    for (NodeId id : plan_.tensor_value_nodes(limit, true)) per_matrix[static_cast<size_t>(id)] = true;
     std::vector<NodeId> stack;
     for (NodeId t : plan_.tensor_derived)
-      if (plan_.level[static_cast<size_t>(t)] <= limit && per_matrix[static_cast<size_t>(t)]) stack.push_back(t);
+      if (per_matrix[static_cast<size_t>(t)]) stack.push_back(t);
     if (stack.empty()) return std::string();
     while (!stack.empty()) {
       const NodeId id = stack.back();

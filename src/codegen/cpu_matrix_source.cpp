@@ -27,8 +27,9 @@ std::string running(const MatrixReduction& r) {
   return "acc[" + std::to_string(r.k) + "]";
 }
 
+// per_matrix_values: phase i has tensor values that read a matrix's sums (of_phase<i>_tensor_matrix).
 std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var,
-                           const std::vector<MatrixReduction>& reds) {
+                           const std::vector<MatrixReduction>& reds, bool per_matrix_values) {
   const ElementPhase& ph = plan.phases[i];
   const ScalarLayout& L = plan.layout;
   const PhaseRoles rr = phase_roles(ph);
@@ -62,7 +63,6 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   // sums of row values: all of them for the chunk's first matrix, then only those) and its column
   // partials (the chunk's own where a matrix has several chunks, else the matrix's; every slot
   // zeroed: an earlier pass's were combined before this one).
-  const bool per_matrix_values = !CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i).empty();
   s << "  long long mb = -1, col0 = 0;\n  double* part = col_part;\n  (void)col0; (void)part;\n";
   s << "  for (int r = 0; r < rows; ++r) {\n"
     << "    if ((r0 + r) / m.matrix_rows != mb) {\n"
@@ -104,7 +104,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
 // them): per matrix, its tensor values (they may read its sums), then its rows in order (values and
 // their sums), then its columns in order. The interpreter's run_values_step<float> does the same
 // math in the same order (bitwise equal: test_matrix_scope.cpp).
-std::string values_function(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
+std::string values_function(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants, bool per_matrix_values) {
   const ScalarLayout& L = plan.layout;
   const int limit = plan.value_level_limit(plan.phases[i]);
   const size_t D = plan.derived.size();
@@ -167,7 +167,7 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
   if (L.tensor_values > 0) {  // all of them for the first matrix, then those that read its sums
     const std::string args = "(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " + std::to_string(D) + ");\n";
     s << "      if (b == b0) of_phase" << i << "_tensor" << args;
-    if (!CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i).empty()) s << "      else of_phase" << i << "_tensor_matrix" << args;
+    if (per_matrix_values) s << "      else of_phase" << i << "_tensor_matrix" << args;
   }
   s << "      double sums[" << std::max(L.tensor_reductions, 1) << "] = {0.0};\n" << line(false) << line(true);
   for (size_t r = 0; r < plan.reductions.size(); ++r) {  // this matrix's sums of row and column values
@@ -194,8 +194,9 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   s << "\n#undef OF_ROW_REDS\n#define OF_ROW_REDS " << std::max(L.row_reductions, 1) << "\n#undef OF_COL_REDS\n#define OF_COL_REDS "
     << std::max(L.col_reductions, 1) << "\n#undef OF_ROW_VALUES\n#define OF_ROW_VALUES " << std::max(L.row_values, 1)
     << "\n#undef OF_COL_VALUES\n#define OF_COL_VALUES " << std::max(L.col_values, 1) << "\n";
-  s << CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i);
-  for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds);
+  const std::string per_matrix = CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i);
+  s << per_matrix;
+  for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds, !per_matrix.empty());
   s << "\nextern \"C\" void of_phase" << i
     << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"
        " const double* skip, const double* steps, int derived_per_group, const double* tensor_reductions,"
@@ -216,7 +217,7 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) s << "    partials[" << k << " * num_chunks + c] = acc[" << k << "];\n";
   s << "  }\n  (void)partials; (void)num_chunks; (void)skip; (void)steps; (void)tensor_reductions; (void)derived;\n}\n";
-  s << values_function(plan, i, variants);
+  s << values_function(plan, i, variants, !per_matrix.empty());
   return s.str();
 }
 

@@ -445,22 +445,19 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     return o.str();
   };
   // Row r's (column c's) values from its states and reductions (red), written to the value table.
-  auto row_line = [&](const std::string& ind) {
+  auto line = [&](bool cols, const std::string& ind) {
+    const std::vector<NodeId>& outs = cols ? plan.col_derived : plan.row_derived;
     std::ostringstream o;
-    o << load_states("r", false, ind) << ind << "of_phase" << i << "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n";
-    for (size_t q = 0; q < plan.row_derived.size(); ++q)
-      if (plan.level[static_cast<size_t>(plan.row_derived[q])] <= limit)
-        o << ind << "mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + " << q << "] = out[" << q << "];\n";
+    o << load_states(cols ? "c" : "r", cols, ind) << ind << "of_phase" << i
+      << (cols ? "_cols(u, st, red, out, sums);\n" : "_rows(u, st, mt.row_red + (m.row_offset + r) * OF_ROW_REDS, out, sums);\n");
+    for (size_t q = 0; q < outs.size(); ++q)
+      if (plan.level[static_cast<size_t>(outs[q])] <= limit)
+        o << ind << (cols ? "mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " : "mt.row_val[(m.row_offset + r) * OF_ROW_VALUES + ")
+          << q << "] = out[" << q << "];\n";
     return o.str();
   };
-  auto column_line = [&](const std::string& ind) {
-    std::ostringstream o;
-    o << load_states("c", true, ind) << ind << "of_phase" << i << "_cols(u, st, red, out, sums);\n";
-    for (size_t q = 0; q < plan.col_derived.size(); ++q)
-      if (plan.level[static_cast<size_t>(plan.col_derived[q])] <= limit)
-        o << ind << "mt.col_val[(m.col_offset + c) * OF_COL_VALUES + " << q << "] = out[" << q << "];\n";
-    return o.str();
-  };
+  auto row_line = [&](const std::string& ind) { return line(false, ind); };
+  auto column_line = [&](const std::string& ind) { return line(true, ind); };
   // The per-tensor sums of row values this step takes (levels <= limit).
   std::vector<LineFold> row_sums;  // (tensor_reductions slot)
   for (size_t r = 0; r < plan.reductions.size(); ++r) {

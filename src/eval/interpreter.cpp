@@ -9,6 +9,10 @@
 
 namespace optfuse {
 
+// Host loops of this many items or more are split over the thread pool (below, its wake-up costs
+// more than the work).
+constexpr int64_t kThreadedItems = int64_t{1} << 16;
+
 void set_globals(double* table, const StepInputs& in) {
   table[kGradScale] = in.grad_scale ? static_cast<double>(*in.grad_scale) : 1.0;
   table[kFoundInf] = in.found_inf ? static_cast<double>(*in.found_inf) : 0.0;
@@ -74,7 +78,7 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
           }
         };
         const int64_t columns_of_t = ml.cols_of(t);
-        if (columns_of_t * per >= (int64_t{1} << 16)) default_thread_pool().parallel_for(columns_of_t, columns_of);
+        if (columns_of_t * per >= kThreadedItems) default_thread_pool().parallel_for(columns_of_t, columns_of);
         else columns_of(0, columns_of_t);
       }
       continue;
@@ -152,23 +156,6 @@ std::array<double, 4> shape_values(const TensorRef& t) {
   return {static_cast<double>(t.param.numel), static_cast<double>(v.matrix_rows), static_cast<double>(v.cols), v.is_matrix ? 1.0 : 0.0};
 }
 
-std::vector<NodeId> tensor_value_nodes(const Plan& plan, int limit, bool per_matrix_only) {
-  const Graph& g = plan.program.graph;
-  std::vector<bool> per_matrix(g.size(), false);  // reads a sum of row or column values, maybe through others
-  std::vector<NodeId> out;
-  for (size_t i = 0; i < g.size(); ++i) {
-    const Node& n = g.node(static_cast<NodeId>(i));
-    if (op_is_reduction(n.op)) {
-      per_matrix[i] = plan.kind[i] == ValueKind::Tensor && plan.is_value_reduction(static_cast<NodeId>(i));
-    } else {
-      for (int k = 0; k < op_arity(n.op); ++k) per_matrix[i] = per_matrix[i] || per_matrix[static_cast<size_t>(n.in[k])];
-    }
-    if (plan.kind[i] == ValueKind::Tensor && plan.level[i] <= limit && (!per_matrix_only || per_matrix[i]))
-      out.push_back(static_cast<NodeId>(i));
-  }
-  return out;
-}
-
 void eval_tensor_values(const Plan& plan, const std::vector<NodeId>& nodes, const double* derived_row,
                         const double* reductions_row, const double* shape, std::vector<double>& val, const double* sums_row) {
   const Graph& g = plan.program.graph;
@@ -209,8 +196,8 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
   bool update = phase.kind == ElementPhase::Kind::Update;
   std::vector<T> val(g.size(), T(0));
   std::vector<double> tensor_val(plan.tensor_derived.empty() ? 0 : g.size(), 0.0);
-  const std::vector<NodeId> tensor_nodes = tensor_value_nodes(plan, plan.value_level_limit(phase));
-  const std::vector<NodeId> matrix_nodes = tensor_value_nodes(plan, plan.value_level_limit(phase), true);
+  const std::vector<NodeId> tensor_nodes = plan.tensor_value_nodes(plan.value_level_limit(phase));
+  const std::vector<NodeId> matrix_nodes = plan.tensor_value_nodes(plan.value_level_limit(phase), true);
   std::vector<size_t> red_slot;
   for (NodeId r : phase.reductions) red_slot.push_back(plan.reduction_index(r));
   for (size_t c = first; c < last; ++c) {
@@ -226,9 +213,9 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     const size_t tix = static_cast<size_t>(ch.tensor);
     // This tensor's values, float64, rounded as they enter element math: per matrix of the view in
     // a matrix plan (they may read the matrix's sums of row values; entering a matrix evaluates them).
+    const std::array<double, 4> shape = plan.tensor_derived.empty() ? std::array<double, 4>{} : shape_values(t);
     auto tensor_values = [&](int64_t matrix, const std::vector<NodeId>& nodes) {
       if (plan.tensor_derived.empty()) return;
-      const std::array<double, 4> shape = shape_values(t);
       eval_tensor_values(plan, nodes, derived, tensor_reductions.data() + tix * static_cast<size_t>(L.tensor_reductions),
                          shape.data(), tensor_val, m ? m->matrix_sums.data() + m->sums_at(tix, matrix) : nullptr);
       for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
@@ -338,7 +325,7 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
   const size_t RR = static_cast<size_t>(L.row_reductions), CR = static_cast<size_t>(L.col_reductions);
   const size_t RV = static_cast<size_t>(L.row_values), CV = static_cast<size_t>(L.col_values);
   const size_t RT = static_cast<size_t>(L.tensor_reductions);
-  const std::vector<NodeId> tensor_nodes = tensor_value_nodes(plan, limit), matrix_nodes = tensor_value_nodes(plan, limit, true);
+  const std::vector<NodeId> tensor_nodes = plan.tensor_value_nodes(limit), matrix_nodes = plan.tensor_value_nodes(limit, true);
   // The nodes of each kind to evaluate, and the sums of them, of the levels this pass may read.
   std::vector<NodeId> nodes[2], sums[2];
   for (size_t i = 0; i < g.size(); ++i) {
@@ -451,8 +438,7 @@ void commit_matrix_states(const Plan& plan, const std::vector<TensorRef>& tensor
       auto copy = [&](int64_t x0, int64_t x1) {
         for (int64_t x = x0; x < x1; ++x) store_element(b.data, b.dtype, x, values[static_cast<size_t>(first + x) * per + k]);
       };
-      // A copy per element: worth the pool's wake-up only for long ones (a batch of small matrices' rows).
-      if (count >= (int64_t{1} << 16)) default_thread_pool().parallel_for(count, copy);
+      if (count >= kThreadedItems) default_thread_pool().parallel_for(count, copy);  // (a batch of small matrices' rows)
       else copy(0, count);
     }
   }

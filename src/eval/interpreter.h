@@ -29,18 +29,15 @@ void combine_partials(const Plan& plan, size_t phase, const std::function<const 
 // (the values every uniform read of this step saw are the old ones).
 void run_scalar_phase(const Plan& plan, size_t phase_index, double* table, int groups);
 
-// One tensor's values (ValueKind::Tensor) `nodes`, float64, into val[node]: from its
-// group's derived row and its row of tensor_reductions. What generated code does per chunk.
+// One tensor's values (ValueKind::Tensor) `nodes` (Plan::tensor_value_nodes, found once), float64,
+// into val[node]: from its group's derived row and its row of tensor_reductions. What generated
+// code does per chunk.
 // shape: the tensor's numel, rows (of one matrix), columns and whether it has a matrix view
 // (Op::Shape). sums_row (matrix plans): the sums of row and column values of the matrix of the
 // view the values are for (MatrixTables::matrix_sums); value reductions are read there.
 void eval_tensor_values(const Plan& plan, const std::vector<NodeId>& nodes, const double* derived_row,
                         const double* reductions_row, const double* shape, std::vector<double>& val,
                         const double* sums_row = nullptr);
-// The tensor values of level <= limit, in graph order: eval_tensor_values' `nodes` (found once, not
-// per tensor or matrix). per_matrix_only: those that read a sum of row or column values, maybe
-// through others (what entering another matrix of the same tensor changes).
-std::vector<NodeId> tensor_value_nodes(const Plan& plan, int limit, bool per_matrix_only = false);
 // Op::Shape's values for a tensor.
 std::array<double, 4> shape_values(const TensorRef& t);
 

@@ -377,6 +377,23 @@ bool Plan::is_value_reduction(NodeId reduction) const {
   return in == ValueKind::Row || in == ValueKind::Col;
 }
 
+std::vector<NodeId> Plan::tensor_value_nodes(int limit, bool per_matrix_only) const {
+  const Graph& g = program.graph;
+  std::vector<bool> per_matrix(g.size(), false);  // reads a sum of row or column values, maybe through others
+  std::vector<NodeId> out;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const Node& n = g.node(static_cast<NodeId>(i));
+    if (op_is_reduction(n.op)) {
+      per_matrix[i] = kind[i] == ValueKind::Tensor && is_value_reduction(static_cast<NodeId>(i));
+    } else {
+      for (int k = 0; k < op_arity(n.op); ++k) per_matrix[i] = per_matrix[i] || per_matrix[static_cast<size_t>(n.in[k])];
+    }
+    if (kind[i] == ValueKind::Tensor && level[i] <= limit && (!per_matrix_only || per_matrix[i]))
+      out.push_back(static_cast<NodeId>(i));
+  }
+  return out;
+}
+
 size_t Plan::line_value_index(NodeId node) const {
   // u = [derived | tensor | row | column]: a row value's slot less the first row slot, a column's
   // less the first column slot.
