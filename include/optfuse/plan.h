@@ -10,6 +10,9 @@
 // so clip_by_global_norm + adamw is one read of the gradients and one read/write of everything.
 // A reduction whose users all sit at a higher level moves to that level's reduce pass when the pass
 // reads its inputs anyway (LAMB's ||param|| joins ||update||): the same answer in fewer bytes.
+// The last reduce pass writes the new values of states that need none of its reductions when the
+// update pass then reads fewer roles (it reads them back instead of recomputing them from their
+// inputs): LAMB's m and v, so its update pass reads m, v and the parameter but not the gradient.
 //
 // Scalars live in one float64 table (on the device for CUDA), laid out as
 //   globals[kNumGlobals] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | ustate[G x S] | derived[G x D]
@@ -54,6 +57,15 @@ struct ElementPhase {
   std::vector<NodeId> reductions;  // Reduce: the reduction nodes this pass produces
   bool reads_param = false, reads_grad = false, writes_param = false;
   std::vector<int> reads_states, writes_states;
+  // The value each written state takes (writes_states[k] <- write_values[k]): its new value, or, in a
+  // reduce pass that writes states ahead of the update (see write_states_ahead in make_plan.cpp),
+  // `skip ? old : new` where the step may be skipped.
+  std::vector<NodeId> write_values;
+  // Update pass after such a reduce pass: element nodes read from a state's role (the new value the
+  // reduce pass wrote) instead of computed: (node, state). Their states are in reads_states.
+  std::vector<std::pair<NodeId, int>> loads;
+  // The state whose role holds node `id`'s value in this pass, or -1.
+  int load_of(NodeId id) const;
   // Tensor elements read and written per parameter element (times the storage size = bytes).
   int reads() const;
   int writes() const;
@@ -85,6 +97,11 @@ struct Plan {
   std::vector<ValueKind> kind;          // per node
   std::vector<int> level;               // per node
   std::vector<ElementPhase> phases;     // in execution order; the last is the update
+  // Where the last reduce pass writes states ahead of the update (make_plan's write_states_ahead):
+  // the two phases it replaced, that reduce pass without the writes and the update pass computing
+  // every new state. A tensor whose states written ahead are not all float32 runs these, so no pass
+  // reads a 16-bit state after rounding it: every storage keeps the same math. Else empty.
+  std::vector<ElementPhase> recomputing;
   std::vector<NodeId> reductions;       // reduction (partials slot) -> node, every scope
   std::vector<int> reduction_area_slot; // reduction -> its slot in the global area or tensor table row
   std::vector<NodeId> tensor_derived;   // tensor values read by element code (u[D + k])
@@ -118,6 +135,11 @@ struct Plan {
   // read a sum of row or column values, maybe through others (what entering another matrix of the
   // same tensor changes).
   std::vector<NodeId> tensor_value_nodes(int limit, bool per_matrix_only = false) const;
+  // Whether a tensor with these state dtypes (one per state) runs `phases` as they are (true) or, for
+  // the last reduce pass and the update, `recomputing` (false).
+  bool runs_states_ahead(const std::vector<DType>& state_dtypes) const;
+  // The phase such a tensor runs as phase i.
+  const ElementPhase& phase_for(size_t i, bool states_ahead) const;
   int max_level() const { return phases.empty() ? 0 : phases.back().level; }
   // Human-readable: phases, what each reads and writes, bytes per element for a storage dtype.
   std::string describe(DType storage = DType::f32) const;

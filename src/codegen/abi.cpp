@@ -114,4 +114,10 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
   return s;
 }
 
+bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v) {
+  std::vector<DType> states;
+  for (size_t r = 2; r < v.size(); ++r) states.push_back(v[r].dtype);
+  return plan.runs_states_ahead(states);
+}
+
 }  // namespace optfuse

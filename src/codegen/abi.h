@@ -36,6 +36,9 @@ bool assign_variants(const std::vector<TensorRef>& tensors, std::vector<StorageV
                      std::vector<int>& index);
 // "param bfloat16, grad float32, exp_avg bfloat16 (stochastic)..." for comments and messages.
 std::string describe_variant(const StorageVariant& v, const std::vector<std::string>& role_names);
+// Whether tensors of this variant run the plan's phases as they are or, where states written ahead
+// are not float32, the recomputing forms (Plan::runs_states_ahead).
+bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v);
 
 // Throws optfuse::Error for plans a generated driver does not run yet: on CUDA, matrix plans with a
 // per-tensor sum of column values (the reference and CPU backends run every plan).

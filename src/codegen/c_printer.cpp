@@ -220,20 +220,39 @@ std::string dialect_prelude(const Dialect& d) {
 
 std::string CPrinter::prelude() const { return dialect_prelude(d_) + low_precision_source(); }
 
+std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead) {
+  const bool recomputing = &plan.phase_for(phase, states_ahead) != &plan.phases.at(phase);
+  return "of_phase" + std::to_string(phase) + (recomputing ? "_element_recomputing" : "_element");
+}
+
 std::string CPrinter::element_function(size_t phase) const {
-  const ElementPhase& ph = plan_.phases.at(phase);
+  std::string s = element_function(phase, true);
+  if (&plan_.phase_for(phase, false) != &plan_.phases.at(phase)) s += element_function(phase, false);
+  return s;
+}
+
+std::string CPrinter::element_function(size_t phase, bool states_ahead) const {
+  const ElementPhase& ph = plan_.phase_for(phase, states_ahead);
   const Program& p = plan_.program;
   std::vector<std::string> roles = role_names(plan_);
   std::ostringstream s;
   s << "\n// phase " << phase << " (" << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update")
+    << (states_ahead ? "" : "; the form for states written ahead in 16 bits, Plan::recomputing")
     << "): per element, float32 math\n";
-  s << "OF_FN void of_phase" << phase << "_element(float* v, const float* u, double* acc) {\n";
+  s << "OF_FN void " << element_function_name(plan_, phase, states_ahead) << "(float* v, const float* u, double* acc) {\n";
   if (ph.reads_param) s << "  const float param = v[0];\n";
   if (ph.reads_grad) s << "  const float grad = v[1];\n";
-  for (int st : ph.reads_states) s << "  const float " << roles[2 + static_cast<size_t>(st)] << " = v[" << 2 + st << "];\n";
+  for (int st : ph.reads_states) {  // a state's old value, or its new one where an earlier pass wrote it
+    NodeId loaded = kNoNode;
+    for (const auto& [node, state] : ph.loads)
+      if (state == st) loaded = node;
+    s << "  const float " << (loaded == kNoNode ? roles[2 + static_cast<size_t>(st)] : value_name(loaded)) << " = v["
+      << 2 + st << "];\n";
+  }
   std::set<NodeId> declared;
   for (NodeId id : ph.nodes) {
     const Node& n = p.graph.node(id);
+    if (ph.load_of(id) >= 0) continue;  // read from its role: its inputs are not needed
     for (int k = 0; k < op_arity(n.op); ++k) {
       NodeId x = n.in[k];
       auto slot = plan_.derived_slot.find(x);
@@ -243,7 +262,7 @@ std::string CPrinter::element_function(size_t phase) const {
   }
   for (NodeId id : ph.nodes) {
     const Node& n = p.graph.node(id);
-    if (op_is_leaf(n.op)) continue;
+    if (op_is_leaf(n.op) || ph.load_of(id) >= 0) continue;
     s << "  const float " << value_name(id) << " = " << expr(id, true) << ";\n";
   }
   auto out = [&](NodeId id) {
@@ -260,10 +279,9 @@ std::string CPrinter::element_function(size_t phase) const {
     else if (r.op == Op::MaxAbs) s << "  acc[" << k << "] = of_max(acc[" << k << "], fabs((double)" << x << "));\n";
     else s << "  if (!" << fill(d_.is_finite, x) << ") acc[" << k << "] = 1.0;\n";
   }
-  if (ph.kind == ElementPhase::Kind::Update) {
-    for (int st : ph.writes_states) s << "  v[" << 2 + st << "] = " << out(p.state_out[static_cast<size_t>(st)]) << ";\n";
-    s << "  v[0] = " << out(p.param_out) << ";\n";
-  }
+  for (size_t k = 0; k < ph.writes_states.size(); ++k)
+    s << "  v[" << 2 + ph.writes_states[k] << "] = " << out(ph.write_values[k]) << ";\n";
+  if (ph.writes_param) s << "  v[0] = " << out(p.param_out) << ";\n";
   if (ph.kind == ElementPhase::Kind::Reduce || !ph.reads_param) s << "  (void)v; (void)u; (void)acc;\n";
   else s << "  (void)u; (void)acc;\n";
   s << "}\n";

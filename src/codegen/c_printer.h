@@ -50,6 +50,10 @@ const Dialect& cuda_dialect();
 // kernels use it too).
 std::string dialect_prelude(const Dialect& d);
 
+// Phase i's element function: of_phase<i>_element, or of_phase<i>_element_recomputing for the
+// form run by tensors whose states written ahead are not float32 (Plan::recomputing).
+std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead = true);
+
 class CPrinter {
  public:
   CPrinter(const Plan& plan, const Dialect& dialect);
@@ -73,6 +77,7 @@ class CPrinter {
 
  private:
   std::string tensor_values_function(size_t phase, bool per_matrix_only) const;
+  std::string element_function(size_t phase, bool states_ahead) const;
   std::string value_name(NodeId id) const;
   std::string expr(NodeId id, bool element) const;
   const Plan& plan_;

@@ -21,10 +21,10 @@ PhaseRoles phase_roles(const ElementPhase& ph);
 // Whether a phase stores some role of variant v stochastically (it then needs the random stream).
 bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v);
 
-// One element at index `idx`: load the roles the phase reads, run the element function with
-// accumulators `acc`, store the roles it writes (stochastic stores draw bits for element
-// first_elem + idx of the tensor).
-std::string element_body(size_t phase, const PhaseRoles& pr, const StorageVariant& var,
+// One element at index `idx`: load the roles the phase reads, run the element function `fn`
+// (element_function_name) with accumulators `acc`, store the roles it writes (stochastic stores
+// draw bits for element first_elem + idx of the tensor).
+std::string element_body(const std::string& fn, const PhaseRoles& pr, const StorageVariant& var,
                          const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
                          const std::string& indent);
 

@@ -90,7 +90,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   s << "      double a[" << nred << "];\n";
   if (reds.empty()) s << "      a[0] = 0.0;\n";
   for (const MatrixReduction& r : reds) s << "      a[" << r.k << "] = " << running(r) << ";\n";
-  s << element_body(i, rr, var, roles, "e0 + c", "a", "      ");
+  s << element_body(element_function_name(plan, i), rr, var, roles, "e0 + c", "a", "      ");
   for (const MatrixReduction& r : reds) s << "      " << running(r) << " = a[" << r.k << "];\n";
   s << "    }\n";
   for (const MatrixReduction& r : reds)

@@ -42,14 +42,14 @@ bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v) 
   return false;
 }
 
-std::string element_body(size_t phase, const PhaseRoles& pr, const StorageVariant& var,
+std::string element_body(const std::string& fn, const PhaseRoles& pr, const StorageVariant& var,
                          const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
                          const std::string& indent) {
   std::ostringstream s;
   s << indent << "float v[OF_ROLES];\n";
   for (int r : pr.read)
     s << indent << "v[" << r << "] = of_ld(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ");\n";
-  s << indent << "of_phase" << phase << "_element(v, u, " << acc << ");\n";
+  s << indent << fn << "(v, u, " << acc << ");\n";
   for (int r : pr.write) {
     const std::string& nm = roles[static_cast<size_t>(r)];
     if (var[static_cast<size_t>(r)].stochastic)
@@ -120,7 +120,9 @@ std::string prefetch_block(const PhaseRoles& pr, const StorageVariant& var, cons
 // parameters) and of_phase<i>_v<k>_chunk (one chunk of one tensor).
 std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const StorageVariant& var,
                                     const std::vector<std::string>& roles) {
-  const ElementPhase& ph = plan.phases[i];
+  const bool ahead = variant_runs_states_ahead(plan, var);
+  const ElementPhase& ph = plan.phase_for(i, ahead);
+  const std::string element_fn = element_function_name(plan, i, ahead);
   const PhaseRoles rr = phase_roles(ph);
   const size_t nred = ph.reductions.size();
   const size_t nvalues = std::max<size_t>(plan.derived.size() + plan.tensor_derived.size(), 1);
@@ -143,8 +145,8 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
     s << "  double unused[1] = {0.0};\n"
       << "  while (i + block <= len) {\n" << prefetch_block(rr, var, roles, "    ")
       << "    for (const int e = i + block; i < e; ++i) {\n"
-      << element_body(i, rr, var, roles, "i", "unused", "      ") << "    }\n  }\n"
-      << "  for (; i < len; ++i) {\n" << element_body(i, rr, var, roles, "i", "unused", "    ") << "  }\n"
+      << element_body(element_fn, rr, var, roles, "i", "unused", "      ") << "    }\n  }\n"
+      << "  for (; i < len; ++i) {\n" << element_body(element_fn, rr, var, roles, "i", "unused", "    ") << "  }\n"
       << "  (void)acc; (void)unused;\n}\n";
   } else {
     // OF_LANES independent accumulators per reduction: element i of the chunk goes to lane
@@ -157,7 +159,7 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
       std::ostringstream l;
       l << indent << "for (int j = 0; j < OF_LANES; ++j) {\n" << indent << "  double a[" << nred << "];\n";
       for (size_t q = 0; q < nred; ++q) l << indent << "  a[" << q << "] = lane[" << q << "][j];\n";
-      l << element_body(i, rr, var, roles, "i + j", "a", indent + "  ");
+      l << element_body(element_fn, rr, var, roles, "i + j", "a", indent + "  ");
       for (size_t q = 0; q < nred; ++q) l << indent << "  lane[" << q << "][j] = a[" << q << "];\n";
       l << indent << "}\n";
       return l.str();
@@ -169,7 +171,7 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
       << "  for (; i + OF_LANES <= len; i += OF_LANES) {\n" << lanes_step("    ") << "  }\n"
       << "  for (int j = 0; i < len; ++i, ++j) {\n    double a[" << nred << "];\n";
     for (size_t q = 0; q < nred; ++q) s << "    a[" << q << "] = lane[" << q << "][j];\n";
-    s << element_body(i, rr, var, roles, "i", "a", "    ");
+    s << element_body(element_fn, rr, var, roles, "i", "a", "    ");
     for (size_t q = 0; q < nred; ++q) s << "    lane[" << q << "][j] = a[" << q << "];\n";
     s << "  }\n";
     for (size_t q = 0; q < nred; ++q) {
@@ -191,8 +193,9 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   if (plan.layout.tensor_values > 0)
     s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
   s << "  (void)tensor_row; (void)step;\n";
-  if (phase_rounds_stochastically(rr, var))
-    s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)step);\n";
+  if (phase_rounds_stochastically(rr, var))  // the step being taken: a reduce pass runs before the count advances
+    s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)"
+      << (ph.kind == ElementPhase::Kind::Update ? "step" : "(step + 1.0)") << ");\n";
   else
     s << "  const unsigned long long rng = 0;\n";
   s << "  " << fn << "_run(len, u, acc, rng, t.rng_offset + begin";

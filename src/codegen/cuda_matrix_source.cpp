@@ -83,10 +83,8 @@ CudaPhaseRoles cuda_phase_roles(const ElementPhase& ph) {
   if (ph.reads_param) pr.reads.push_back(0);
   if (ph.reads_grad) pr.reads.push_back(1);
   for (int st : ph.reads_states) pr.reads.push_back(2 + st);
-  if (ph.kind == ElementPhase::Kind::Update) {
-    if (ph.writes_param) pr.writes.push_back(0);
-    for (int st : ph.writes_states) pr.writes.push_back(2 + st);
-  }
+  if (ph.writes_param) pr.writes.push_back(0);
+  for (int st : ph.writes_states) pr.writes.push_back(2 + st);  // (a reduce pass too: make_plan's write_states_ahead)
   pr.used = pr.reads;
   for (int r : pr.writes)
     if (std::find(pr.used.begin(), pr.used.end(), r) == pr.used.end()) pr.used.push_back(r);

@@ -265,7 +265,9 @@ bool writes_stochastically(const CudaPhaseRoles& pr, const StorageVariant& v) {
 
 // Phase i's loop over one chunk of one tensor of storage variant k (concrete types per role).
 std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
-  const ElementPhase& ph = plan.phases[i];
+  const bool ahead = variant_runs_states_ahead(plan, var);
+  const ElementPhase& ph = plan.phase_for(i, ahead);  // (the recomputing form for 16-bit states written ahead)
+  const std::string element_fn = element_function_name(plan, i, ahead);
   CudaPhaseRoles pr = cuda_phase_roles(ph);
   std::vector<std::string> roles = role_names(plan);
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
@@ -322,7 +324,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "    float v[OF_ROLES];\n";
   for (int r : pr.reads)
     s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
-  s << "    of_phase" << i << "_element(v, u, acc);\n";
+  s << "    " << element_fn << "(v, u, acc);\n";
   for (int r : pr.writes) s << "    " << store1(r, "e") << ";\n";
   s << "  }\n";
   // Vector body: all loads of a pass first (memory-level parallelism), then math and stores.
@@ -347,7 +349,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   s << "        #pragma unroll\n        for (int e = 0; e < kVec; ++e) {\n"
     << "          float v[OF_ROLES];\n";
   for (int r : pr.reads) s << "          v[" << r << "] = of_lane<" << dt(r) << ">(" << nm(r) << "_in[k], e);\n";
-  s << "          of_phase" << i << "_element(v, u, acc_u[k]);\n";
+  s << "          " << element_fn << "(v, u, acc_u[k]);\n";
   for (int r : pr.writes) {
     if (var[static_cast<size_t>(r)].stochastic)
       s << "          of_set_lane_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
@@ -411,7 +413,8 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
   bool row_reds = false;
   for (NodeId r : ph.reductions) row_reds = row_reds || reduction_scope(g.node(r)) == Scope::Row;
   bool stochastic = false;
-  for (const StorageVariant& v : variants) stochastic = stochastic || writes_stochastically(cuda_phase_roles(ph), v);
+  for (const StorageVariant& v : variants)
+    stochastic = stochastic || writes_stochastically(cuda_phase_roles(plan.phase_for(i, variant_runs_states_ahead(plan, v))), v);
   std::ostringstream s;
   s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS, "
     << (stochastic ? "OF_MIN_BLOCKS_SR" : "OF_MIN_BLOCKS") << ") of_phase" << i

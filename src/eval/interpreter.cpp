@@ -185,10 +185,11 @@ void eval_tensor_values(const Plan& plan, const std::vector<NodeId>& nodes, cons
 }
 
 template <class T>
-void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
+void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
                        int groups, const std::vector<double>& tensor_reductions,
                        std::vector<std::vector<double>>& partials, MatrixTables* m) {
+  const ElementPhase& phase = plan.phases.at(phase_index);  // (its recomputing form has the same kind and reductions)
   const Program& p = plan.program;
   if (plan.matrix() && m == nullptr) throw Error("run_element_phase: a matrix plan needs its matrix tables");
   const Graph& g = p.graph;
@@ -200,9 +201,29 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
   const std::vector<NodeId> matrix_nodes = plan.tensor_value_nodes(plan.value_level_limit(phase), true);
   std::vector<size_t> red_slot;
   for (NodeId r : phase.reductions) red_slot.push_back(plan.reduction_index(r));
+  // Each form of the phase a tensor may run (Plan::phase_for), with the nodes it reads from a state
+  // an earlier pass wrote.
+  struct Form {
+    const ElementPhase* phase;
+    std::vector<int> loaded_state;
+    bool writes;
+  };
+  std::array<Form, 2> forms;  // [states_ahead]
+  for (bool ahead : {false, true}) {
+    Form& f = forms[ahead];
+    f.phase = &plan.phase_for(phase_index, ahead);
+    f.loaded_state.assign(g.size(), -1);
+    for (const auto& [node, state] : f.phase->loads) f.loaded_state[static_cast<size_t>(node)] = state;
+    f.writes = f.phase->writes_param || !f.phase->writes_states.empty();
+  }
+  std::vector<DType> state_dtypes(p.states.size());
   for (size_t c = first; c < last; ++c) {
     const Chunk& ch = chunks[c];
     const TensorRef& t = tensors[static_cast<size_t>(ch.tensor)];
+    for (size_t s = 0; s < state_dtypes.size(); ++s) state_dtypes[s] = t.states[s].dtype;
+    const Form& form = forms[plan.runs_states_ahead(state_dtypes)];
+    const std::vector<int>& loaded_state = form.loaded_state;
+    const bool writes = form.writes;
     int grp = t.group;
     if (update && table[L.skip_offset(groups) + grp] != 0.0) continue;
     // Uniform inputs, rounded to T as they enter element math.
@@ -224,8 +245,10 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
-    // Stochastic rounding's stream: the group's step count, already advanced by the scalar phase.
-    const uint64_t rng = update ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp])) : 0;
+    // Stochastic rounding's stream: the step being taken (the update pass's scalar phase has
+    // already advanced the group's count; a reduce pass that writes states runs before it).
+    const uint64_t rng =
+        writes ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp] + (update ? 0.0 : 1.0))) : 0;
     auto store = [&](const Buffer& b, int role, int64_t e, T v) {
       if (b.stochastic_rounding)
         lowp::store_element_sr(b.data, b.dtype, e, static_cast<double>(v),
@@ -259,9 +282,14 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
         for (size_t k = 0; k < CV; ++k)
           val[static_cast<size_t>(plan.col_derived[k])] = static_cast<T>(m->col_values[static_cast<size_t>(col0 + col) * CV + k]);
       }
-      for (NodeId id : phase.nodes) {
+      for (NodeId id : form.phase->nodes) {
         const Node& n = g.node(id);
         size_t i = static_cast<size_t>(id);
+        if (loaded_state[i] >= 0) {
+          const Buffer& b = t.states[static_cast<size_t>(loaded_state[i])];
+          val[i] = static_cast<T>(load_element(b.data, b.dtype, e));
+          continue;
+        }
         switch (n.op) {
           case Op::Param: val[i] = static_cast<T>(load_element(t.param.data, t.param.dtype, e)); break;
           case Op::Grad: val[i] = static_cast<T>(load_element(t.grad.data, t.grad.dtype, e)); break;
@@ -298,20 +326,21 @@ void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::v
           default: acc[r] = reduce_add(rn.op, acc[r], v);
         }
       }
-      if (update) {
-        for (int s : phase.writes_states)
-          store(t.states[static_cast<size_t>(s)], 2 + s, e, val[static_cast<size_t>(p.state_out[static_cast<size_t>(s)])]);
-        store(t.param, 0, e, val[static_cast<size_t>(p.param_out)]);
+      const ElementPhase& ran = *form.phase;
+      for (size_t k = 0; k < ran.writes_states.size(); ++k) {
+        const int s = ran.writes_states[k];
+        store(t.states[static_cast<size_t>(s)], 2 + s, e, val[static_cast<size_t>(ran.write_values[k])]);
       }
+      if (ran.writes_param) store(t.param, 0, e, val[static_cast<size_t>(p.param_out)]);
     }
     for (size_t r = 0; r < phase.reductions.size(); ++r) partials[red_slot[r]][c] = acc[r];
   }
 }
 
-template void run_element_phase<double>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
+template void run_element_phase<double>(const Plan&, size_t, const std::vector<TensorRef>&,
                                         const std::vector<Chunk>&, size_t, size_t, const double*, int,
                                         const std::vector<double>&, std::vector<std::vector<double>>&, MatrixTables*);
-template void run_element_phase<float>(const Plan&, const ElementPhase&, const std::vector<TensorRef>&,
+template void run_element_phase<float>(const Plan&, size_t, const std::vector<TensorRef>&,
                                        const std::vector<Chunk>&, size_t, size_t, const double*, int,
                                        const std::vector<double>&, std::vector<std::vector<double>>&, MatrixTables*);
 

@@ -45,9 +45,10 @@ std::array<double, 4> shape_values(const TensorRef& t);
 // per reduction of this phase per chunk into partials[reduction slot][chunk]. T = double is the
 // reference evaluator; T = float mirrors generated code. Matrix plans (m): elements read their
 // row's and column's values from m; row reductions go to m's row table (a chunk holds whole rows),
-// column reductions to the chunk's column partials.
+// column reductions to the chunk's column partials. A tensor runs plan.phase_for(phase, ...): the
+// recomputing forms where its states written ahead are not float32.
 template <class T>
-void run_element_phase(const Plan& plan, const ElementPhase& phase, const std::vector<TensorRef>& tensors,
+void run_element_phase(const Plan& plan, size_t phase, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
                        int groups, const std::vector<double>& tensor_reductions,
                        std::vector<std::vector<double>>& partials, MatrixTables* m = nullptr);

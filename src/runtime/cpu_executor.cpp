@@ -100,7 +100,7 @@ class CpuExecutor : public HostExecutor {
     if (fns_.empty() && matrix_fns_.empty()) {  // no compiler: the float32 interpreter
       MatrixTables* m = matrix();  // chunks write disjoint rows and column partials
       default_thread_pool().parallel_for(n, [&](int64_t b, int64_t e) {
-        run_element_phase<float>(plan_, ph, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
+        run_element_phase<float>(plan_, index, tensors_, chunks_, static_cast<size_t>(b), static_cast<size_t>(e),
                                  table_.data(), groups_, tensor_reductions_, partials_, m);
       });
       return;

@@ -129,7 +129,7 @@ class ReferenceExecutor : public HostExecutor {
 
  protected:
   void run_phase(size_t index) override {
-    run_element_phase<double>(plan_, plan_.phases[index], tensors_, chunks_, 0, chunks_.size(), table_.data(),
+    run_element_phase<double>(plan_, index, tensors_, chunks_, 0, chunks_.size(), table_.data(),
                               groups_, tensor_reductions_, partials_, matrix());
   }
   void run_values(size_t index) override {
