@@ -547,9 +547,14 @@ std::string Plan::describe(DType storage) const {
   const Program& p = program;
   int total_r = 0, total_w = 0;
   s << "plan for " << p.chain_text << "\n";
+  // States stored in `storage` (but fixed-dtype ones): 16-bit ones written ahead run the recomputing forms.
+  const bool ahead = storage == DType::f32;
   s << "  storage " << dtype_name(storage) << "; " << phases.size() << " pass(es) over memory\n";
+  if (!recomputing.empty())
+    s << "  states written ahead by phase " << phases.size() - 1 << " and read back by the update pass"
+      << (ahead ? "" : " in float32 storage only; in this storage the last two phases recompute them") << "\n";
   for (size_t i = 0; i < phases.size(); ++i) {
-    const ElementPhase& ph = phases[i];
+    const ElementPhase& ph = phase_for(i, ahead);
     s << "  phase " << i + 1 << ": " << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update");
     s << " (level " << ph.level << ")\n    reads:";
     if (ph.reads_param) s << " param";

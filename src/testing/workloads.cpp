@@ -132,7 +132,10 @@ Workload make_workload(const std::string& name, double scale) {
 
 int64_t plan_bytes_per_element(const Plan& plan, DType dtype) {
   int64_t per = 0;
-  for (const ElementPhase& ph : plan.phases) per += ph.reads() + ph.writes();
+  for (size_t i = 0; i < plan.phases.size(); ++i) {  // (16-bit states written ahead: the recomputing forms)
+    const ElementPhase& ph = plan.phase_for(i, dtype == DType::f32);
+    per += ph.reads() + ph.writes();
+  }
   return per * static_cast<int64_t>(dtype_size(dtype));
 }
 
