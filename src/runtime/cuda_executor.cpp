@@ -38,6 +38,25 @@ namespace {
 
 const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: chunk_elements()
 
+// A matrix plan's chunk budget: cuda_matrix_chunk_elements(), or, as a tuning knob for benchmarks,
+// OPTFUSE_CUDA_MATRIX_CHUNK_ELEMENTS (1024 to that default; chunks still hold at most OF_MROWS rows).
+// Smaller chunks spread a small model's passes more evenly over the blocks and cost more column
+// partials. Read once per process, so every executor (and a sharded step's map) agrees.
+int32_t matrix_chunk_elements() {
+  static const int32_t elems = [] {
+    const int32_t standard = cuda_matrix_chunk_elements();
+    const char* e = std::getenv("OPTFUSE_CUDA_MATRIX_CHUNK_ELEMENTS");
+    if (!e || !*e) return standard;
+    char* end = nullptr;
+    const long v = std::strtol(e, &end, 10);
+    if (*end != '\0' || v < 1024 || v > standard)
+      throw Error("OPTFUSE_CUDA_MATRIX_CHUNK_ELEMENTS takes a number from 1024 to " + std::to_string(standard) + ", got '" +
+                  e + "'");
+    return static_cast<int32_t>(v);
+  }();
+  return elems;
+}
+
 // A matrix plan's tables on the device, passed by value to its kernels: the generated struct
 // OfMatrixTables (codegen/cuda_matrix_source.cpp) matches.
 struct DeviceMatrixTables {
@@ -364,7 +383,7 @@ class CudaExecutor : public Executor {
     }
     variant_index_ = index;
     const std::vector<Chunk> chunks =
-        plan_.matrix() ? build_chunks(tensors, cuda_matrix_chunk_elements(), true, cuda_matrix_chunk_rows())
+        plan_.matrix() ? build_chunks(tensors, matrix_chunk_elements(), true, cuda_matrix_chunk_rows())
                        : build_chunks(tensors, kChunkElems);
     ranges_ = chunk_ranges(tensors.size(), chunks);
     if (plan_.matrix()) set_matrix_tables(tensors);
@@ -392,7 +411,7 @@ class CudaExecutor : public Executor {
     compute_grid();
   }
 
-  int32_t chunk_elements() const override { return plan_.matrix() ? cuda_matrix_chunk_elements() : kChunkElems; }
+  int32_t chunk_elements() const override { return plan_.matrix() ? matrix_chunk_elements() : kChunkElems; }
 
   // A matrix plan's tables for a new tensor set: the per-tensor layout and the Values step's items
   // uploaded, the row and column tables zeroed (the old ones retired, as every buffer here).
