@@ -25,12 +25,6 @@ int explain_command(const Argv& args) {
     if (backend != "cuda") throw Error("--compile is for --backend cuda (the CPU source is compiled on first use)");
     int arch = std::stoi(o.get("arch", "90"));
     for (const Plan& plan : explain_plans(chain)) {  // a matrix chain's two parts
-      try {
-        require_generated_loops(plan, "CUDA");
-      } catch (const Error& e) {
-        std::cout << "\n== NVRTC compile of " << plan.program.chain_text << ": none (" << e.what() << ")\n";
-        continue;
-      }
       cuda::CompileResult r = cuda::compile(generate_cuda_source(plan), "optfuse_explain", arch, {"--fmad=false"});
       std::cout << "\n== NVRTC compile of " << plan.program.chain_text << " for sm_" << arch << ": " << r.cubin.size()
                 << " bytes of cubin in " << r.seconds << " s" << (r.from_cache ? " (from cache)" : "") << "\n";

@@ -25,21 +25,6 @@ std::string scalar_layout_source(const ScalarLayout& L) {
   return s;
 }
 
-void require_generated_loops(const Plan& plan, const char* backend) {
-  const bool cuda = std::string(backend) == "CUDA";
-  if (!plan.matrix() || !cuda) return;  // the CPU driver runs every plan
-  // Per-tensor reductions of column values are not built in the CUDA matrix loops (the Values step
-  // cuts a tensor's columns across blocks).
-  bool unsupported = false;
-  for (NodeId r : plan.reductions) {
-    const Node& n = plan.program.graph.node(r);
-    unsupported = unsupported || (plan.is_value_reduction(r) && plan.kind[static_cast<size_t>(n.in[0])] == ValueKind::Col);
-  }
-  if (!unsupported) return;
-  throw Error(std::string("the ") + backend + " backend has no generated loop yet for per-tensor sums of column values (" +
-              plan.program.chain_text + "); the reference and CPU backends run them");
-}
-
 std::string abi_source() {
   return R"(
 // Shared with the runtime (codegen/abi.h): tensor-table rows are plain 64-bit words.

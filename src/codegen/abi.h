@@ -40,10 +40,6 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
 // are not float32, the recomputing forms (Plan::runs_states_ahead).
 bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v);
 
-// Throws optfuse::Error for plans a generated driver does not run yet: on CUDA, matrix plans with a
-// per-tensor sum of column values (the reference and CPU backends run every plan).
-void require_generated_loops(const Plan& plan, const char* backend);
-
 // Needs OF_ROLES and OF_FN (the printer's common source) defined before it.
 std::string abi_source();
 // The scalar table's offset functions (of_hypers_offset(), of_steps_offset(groups), ...), printed

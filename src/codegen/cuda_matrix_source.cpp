@@ -456,14 +456,14 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   };
   auto row_line = [&](const std::string& ind) { return line(false, ind); };
   auto column_line = [&](const std::string& ind) { return line(true, ind); };
-  // The per-tensor sums of row values this step takes (levels <= limit).
-  std::vector<LineFold> row_sums;  // (tensor_reductions slot)
+  // The per-tensor (per matrix) sums of row and of column values this step takes (levels <= limit).
+  std::vector<LineFold> row_sums, col_sums;  // (tensor_reductions slot)
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     const NodeId node = plan.reductions[r];
-    if (plan.is_value_reduction(node) && plan.kind[static_cast<size_t>(g.node(node).in[0])] == ValueKind::Row &&
-        plan.level[static_cast<size_t>(node)] <= limit)
-      row_sums.push_back(line_fold(plan, r));
+    if (!plan.is_value_reduction(node) || plan.level[static_cast<size_t>(node)] > limit) continue;
+    (plan.kind[static_cast<size_t>(g.node(node).in[0])] == ValueKind::Row ? row_sums : col_sums).push_back(line_fold(plan, r));
   }
+  const bool value_sums = !row_sums.empty() || !col_sums.empty();
   std::vector<LineFold> combined;  // column reductions produced by the pass just run
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
@@ -477,6 +477,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     << "  extern __shared__ double of_uniform[];  // [groups][OF_UNIFORM]\n"
     << "  __shared__ double globals[2];\n  __shared__ double scratch[OF_THREADS / 32];\n"
     << "  __shared__ double colsum[OF_COL_REDS_ARRAY][OF_THREADS / 32][32];\n  __shared__ int last_item;\n"
+    << (col_sums.empty() ? "" : "  __shared__ double lanesum[OF_TENSOR_REDUCTIONS_ARRAY][32];  // a column item's lanes' sums of column values\n")
     << cuda_uniform_prologue(plan, i)
     << "  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;\n  (void)lane; (void)warp; (void)colsum; (void)last_item;\n"
     << "  for (int it = blockIdx.x; it < num_items; it += gridDim.x) {  // (uniform over the block)\n"
@@ -506,6 +507,11 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   s << "        for (long long r = wb * m.matrix_rows; r < (wb + 1) * m.matrix_rows; ++r) {\n" << row_line("          ") << "        }\n";
   for (const LineFold& f : row_sums) s << "        ws[" << f.slot << "] = " << flag("sums[" + std::to_string(f.slot) + "]", f.any) << ";\n";
   s << "        for (long long c = wb * C; c < (wb + 1) * C; ++c) {\n          double red[OF_COL_REDS_ARRAY];\n";
+  const std::string small_col_sums = [&] {
+    std::string o;
+    for (const LineFold& f : col_sums) o += "        ws[" + std::to_string(f.slot) + "] = " + flag("sums[" + std::to_string(f.slot) + "]", f.any) + ";\n";
+    return o;
+  }();
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;
     const LineFold f = line_fold(plan, r);
@@ -516,7 +522,7 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     else
       s << "          red[" << f.slot << "] = " << at << ";\n";
   }
-  s << column_line("          ") << "        }\n      }\n"
+  s << column_line("          ") << "        }\n" << small_col_sums << "      }\n"
     << "    } else if (!item.rows) {\n"
     << "      // Columns: lane l takes column begin + l (of the view's matrices x C); warp w the partials of\n"
     << "      // the matrix's chunks w, w + 8, ... (in order), then warp 0 the warps' sums in order: a fixed\n"
@@ -543,30 +549,54 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     else
       s << "        red[" << slot << "] = " << at << ";\n";
   }
-  s << column_line("        ") << "      }\n"
-    << "    } else {\n"
+  s << column_line("        ") << "      }\n";
+  // A column item's sums of column values: its lanes' (columns') in lane order; its row-sum slots 0.
+  if (value_sums) s << "      __syncthreads();\n";
+  if (!col_sums.empty()) {
+    s << "      if (warp == 0) {\n";
+    for (const LineFold& f : col_sums) s << "        lanesum[" << f.slot << "][lane] = on ? sums[" << f.slot << "] : 0.0;\n";
+    s << "      }\n      __syncthreads();\n";
+  }
+  if (value_sums) {
+    s << "      if (threadIdx.x == 0) {\n";
+    for (const LineFold& f : row_sums) s << "        mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = 0.0;\n";
+    for (const LineFold& f : col_sums)
+      s << "        {\n          double sum = 0.0;\n          for (int l = 0; l < 32; ++l) " << fold(f.max, "sum", "lanesum[" + std::to_string(f.slot) + "][l]")
+        << ";\n          mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = sum;\n        }\n";
+    s << "      }\n";
+  }
+  s << "    } else {\n"
     << "      // Rows: thread x takes rows begin + x, + 256, ... of the item\n"
     << "      for (long long r = item.begin + threadIdx.x; r < item.begin + item.count; r += OF_THREADS) {\n"
     << row_line("        ") << "      }\n";
-  if (!row_sums.empty()) {
-    // Each row item's sums (a fixed block tree), then the matrix's last row item to finish adds
-    // them in item order: deterministic whichever block is last.
-    for (const LineFold& f : row_sums)
-      s << "      {\n        const double total = " << block_fold(f.max) << "(sums[" << f.slot << "], scratch);\n"
-        << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = total;\n      }\n";
-    s << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
+  // A row item's sums of row values (a fixed block tree); its column-sum slots 0.
+  for (const LineFold& f : row_sums)
+    s << "      {\n        const double total = " << block_fold(f.max) << "(sums[" << f.slot << "], scratch);\n"
+      << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = total;\n      }\n";
+  if (!col_sums.empty()) {
+    s << "      if (threadIdx.x == 0) {\n";
+    for (const LineFold& f : col_sums) s << "        mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = 0.0;\n";
+    s << "      }\n";
+  }
+  s << "    }\n";
+  if (value_sums) {
+    // The matrix's last item to finish (of its column and row items) adds their sums in item order:
+    // deterministic whichever block is last.
+    s << "    if (item.rows != 2) {\n"
+      << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
       << "        last_item = atomicAdd(mt.finished + m.matrix_offset + mb, 1u) == (unsigned)item.items - 1u;\n      }\n"
       << "      __syncthreads();\n"
       << "      if (last_item && threadIdx.x == 0) {\n        __threadfence();\n";
-    for (const LineFold& f : row_sums)
-      s << "        {\n          double sum = 0.0;\n"
-        << "          for (int j = 0; j < item.items; ++j) "
-        << fold(f.max, "sum", "mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
-        << ";\n          msums[" << f.slot << "] = " << flag("sum", f.any)
-        << ";\n        }\n";
-    s << "        mt.finished[m.matrix_offset + mb] = 0u;  // ready for the next launch (or graph replay)\n      }\n";
+    for (const std::vector<LineFold>* sums : {&row_sums, &col_sums})
+      for (const LineFold& f : *sums)
+        s << "        {\n          double sum = 0.0;\n"
+          << "          for (int j = 0; j < item.items; ++j) "
+          << fold(f.max, "sum", "mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
+          << ";\n          msums[" << f.slot << "] = " << flag("sum", f.any)
+          << ";\n        }\n";
+    s << "        mt.finished[m.matrix_offset + mb] = 0u;  // ready for the next launch (or graph replay)\n      }\n    }\n";
   }
-  s << "    }\n    __syncthreads();  // colsum, scratch and last_item are reused by the next item\n  }\n"
+  s << "    __syncthreads();  // colsum, lanesum, scratch and last_item are reused by the next item\n  }\n"
     << "  (void)tensor_reductions; (void)scratch;\n}\n";
   return s.str();
 }

@@ -37,17 +37,7 @@ Chain row_and_column_sums() {
   return {r};
 }
 
-// cols <- column sums of g^2; the update is g * (the tensor's sum of them): a per-tensor (per matrix
-// of a batch) sum of column values, which only the host backends run.
-Chain sum_of_columns() {
-  Rule r("sum_of_columns");
-  r.col_state("cols").update([](RuleBuilder& b) {
-    Expr cols = col_sum_of_squares(b.update());
-    b.set_state("cols", cols);
-    return b.update() * tensor_sum(cols);
-  });
-  return {r};
-}
+Chain sum_of_columns() { return {testing::sum_of_columns()}; }
 
 struct Matrix {
   int64_t rows, cols;  // cols 0: no matrix view (a column of rows elements)
@@ -253,7 +243,7 @@ TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
                                                   {17 * 5, 1, 5}, {1, 0, 0}, {3 * 300 * 301, 1, 301, 300},
                                                   {2000 * 3 * 3, 0, 3, 3}, {700, 1, 1, 1}, {50 * 4 * 7, 0, 7, 4}};
   for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), row_and_column_sums(), sum_of_columns(),
-                         Chain{testing::row_and_column_max()}})
+                         Chain{testing::row_and_column_max()}, Chain{testing::row_and_column_value_sums()}})
     for (DType d : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(std::string(build_program(c).chain_text) + ", " + dtype_name(d));
       Optimizer compiled(c, Backend::cpu, 2);
@@ -276,17 +266,6 @@ TEST(MatrixScope, CpuLoopsEqualTheInterpreterBitwise) {
       }
       EXPECT_GT(testing::max_relative_difference(fresh, a), 1e-4);  // it moved
     }
-}
-
-TEST(MatrixScope, CudaRefusesPerTensorSumsOfColumnValues) {
-  // Its Values step cuts a tensor's columns across blocks: a sum over them is not built there yet.
-  try {
-    Optimizer opt(sum_of_columns(), Backend::cuda);
-    FAIL() << "the CUDA backend accepted a per-tensor sum of column values";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("per-tensor sums of column values"), std::string::npos) << e.what();
-  }
-  EXPECT_NO_THROW(Optimizer(sum_of_columns(), Backend::reference));
 }
 
 }  // namespace

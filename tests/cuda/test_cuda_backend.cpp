@@ -210,6 +210,23 @@ TEST(CudaSource, EveryBuiltinCompilesForSm90WithOneElementKernelPerPhase) {
   }
 }
 
+TEST(CudaSource, TestRulesOfRowAndColumnScopesCompile) {
+  // The matrix rules the GPU tests run, sums of column values among them (their Values kernels
+  // gather them per matrix): compiled here too, where CI has no GPU.
+  REQUIRE_NVRTC();
+  for (const Rule& rule : {optfuse::testing::row_and_column_max(), optfuse::testing::sum_of_columns(),
+                           optfuse::testing::row_and_column_value_sums()}) {
+    SCOPED_TRACE(rule.name());
+    const Plan plan = make_plan(Chain{rule});
+    const std::string src = generate_cuda_source(plan);
+    const bool column_sums = rule.name() != "row_and_column_max";  // (it takes a max of row values only)
+    EXPECT_EQ(src.find("double lanesum[") != std::string::npos, column_sums);
+    cu::CompileResult r;
+    ASSERT_NO_THROW(r = cu::compile(src, "optfuse", 90, {"--fmad=false"}));
+    for (const std::string& k : cuda_kernel_names(plan)) EXPECT_TRUE(cu::resources_from_cubin(r.cubin, k).has_value()) << k;
+  }
+}
+
 TEST(CudaSource, HyperparameterValuesDoNotChangeTheSource) {
   // The compile cache is keyed on the source: values are run-time data, never code.
   std::string a = generate_cuda_source(make_plan(adamw({{"lr", 1e-3}, {"weight_decay", 0.01}})));
@@ -693,6 +710,7 @@ TEST(CudaBench, DISABLED_Bandwidth) {
 // than a chunk, narrow views (a thread per column, most idle), vectors (a thread per row), two groups;
 // batches of matrices (TensorRef::matrix_rows): several chunks and two row items per matrix, one-row
 // matrices, and small ones, whole in a chunk (3 x 3 as a conv's, 1 x 1, 16 x 16: several chunks each).
+// Per-tensor (per matrix) sums of row values and of column values, and a max of column values.
 TEST(CudaBackend, MatrixViewsMatchReferenceAndRepeatBitwise) {
   REQUIRE_GPU();
   const std::vector<TensorSpec> specs = {{300 * 1001, 0, 1001},      {65537, 1, 0},           {3, 0, 3},
@@ -701,19 +719,21 @@ TEST(CudaBackend, MatrixViewsMatchReferenceAndRepeatBitwise) {
                                          {4 * 3000 * 8, 1, 8, 3000}, {6 * 4 * 5, 1, 5, 4},    {5 * 7, 0, 7, 1},
                                          {1000 * 3 * 3, 0, 3, 3},    {5000, 1, 1, 1},         {70 * 16 * 16, 0, 16, 16}};
   for (const Chain& c : {adafactor({{"lr", 0.05}, {"weight_decay", 0.1}}), adafactor({{"maximize", true}, {"d", 1.5}}),
-                         Chain{optfuse::testing::row_and_column_max()}})
+                         Chain{optfuse::testing::row_and_column_max()}, Chain{optfuse::testing::row_and_column_value_sums()}})
     for (DType dt : {DType::f32, DType::bf16}) {
       double w = worst_vs_reference(c, dt, 8, {}, specs);
       EXPECT_TRUE(w <= tolerance(dt)) << build_program(c).chain_text << " " << dtype_name(dt) << ": worst " << w;
     }
-  Twin twin(adafactor({{"lr", 0.05}}), DType::f32, specs);
-  for (int s = 0; s < 3; ++s) {
-    twin.new_grads(500 + static_cast<uint64_t>(s));
-    twin.a->step(twin.in());
-    twin.b->step(twin.in());
+  for (const Chain& c : {adafactor({{"lr", 0.05}}), Chain{optfuse::testing::row_and_column_value_sums()}}) {
+    Twin twin(c, DType::f32, specs);
+    for (int s = 0; s < 3; ++s) {
+      twin.new_grads(500 + static_cast<uint64_t>(s));
+      twin.a->step(twin.in());
+      twin.b->step(twin.in());
+    }
+    twin.download();
+    EXPECT_TRUE(same_bytes(*twin.ha, *twin.hb)) << build_program(c).chain_text << ": two runs of the same steps differ";
   }
-  twin.download();
-  EXPECT_TRUE(same_bytes(*twin.ha, *twin.hb)) << "two runs of the same steps differ";
 }
 
 }  // namespace
