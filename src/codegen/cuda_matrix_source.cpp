@@ -550,15 +550,31 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
       s << "        red[" << slot << "] = " << at << ";\n";
   }
   s << column_line("        ") << "      }\n";
-  // A column item's sums of column values: its lanes' (columns') in lane order; its row-sum slots 0.
-  if (value_sums) s << "      __syncthreads();\n";
-  if (!col_sums.empty()) {
-    s << "      if (warp == 0) {\n";
+  // The matrix's last item to finish adds its items' sums in item order (items [first, first +
+  // count)): deterministic whichever block is last.
+  auto last_item_sums = [&](const std::string& ind, const std::string& first, const std::string& count) {
+    std::ostringstream o;
+    o << ind << "if (threadIdx.x == 0) {\n" << ind << "  __threadfence();\n"
+      << ind << "  last_item = atomicAdd(mt.finished + m.matrix_offset + mb, 1u) == (unsigned)" << count << " - 1u;\n"
+      << ind << "}\n" << ind << "__syncthreads();\n"
+      << ind << "if (last_item && threadIdx.x == 0) {\n" << ind << "  __threadfence();\n";
+    for (const std::vector<LineFold>* sums : {&row_sums, &col_sums})
+      for (const LineFold& f : *sums)
+        o << ind << "  {\n" << ind << "    double sum = 0.0;\n"
+          << ind << "    for (int j = 0; j < " << count << "; ++j) "
+          << fold(f.max, "sum", "mt.item_sums[(long long)(" + first + " + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
+          << ";\n" << ind << "    msums[" << f.slot << "] = " << flag("sum", f.any) << ";\n" << ind << "  }\n";
+    o << ind << "  mt.finished[m.matrix_offset + mb] = 0u;  // ready for the next launch (or graph replay)\n" << ind << "}\n";
+    return o.str();
+  };
+  // Where the step sums column values, a matrix's column items take part (its sums gather over all
+  // its items; ValueItem::first/items of a column item span them); else only its row items do,
+  // with their own first/items.
+  const bool columns_sum = !col_sums.empty();
+  if (columns_sum) {  // a column item's sums: its lanes' (columns') in lane order; its row-sum slots 0
+    s << "      __syncthreads();\n      if (warp == 0) {\n";
     for (const LineFold& f : col_sums) s << "        lanesum[" << f.slot << "][lane] = on ? sums[" << f.slot << "] : 0.0;\n";
-    s << "      }\n      __syncthreads();\n";
-  }
-  if (value_sums) {
-    s << "      if (threadIdx.x == 0) {\n";
+    s << "      }\n      __syncthreads();\n      if (threadIdx.x == 0) {\n";
     for (const LineFold& f : row_sums) s << "        mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = 0.0;\n";
     for (const LineFold& f : col_sums)
       s << "        {\n          double sum = 0.0;\n          for (int l = 0; l < 32; ++l) " << fold(f.max, "sum", "lanesum[" + std::to_string(f.slot) + "][l]")
@@ -573,31 +589,22 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
   for (const LineFold& f : row_sums)
     s << "      {\n        const double total = " << block_fold(f.max) << "(sums[" << f.slot << "], scratch);\n"
       << "        if (threadIdx.x == 0) mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = total;\n      }\n";
-  if (!col_sums.empty()) {
+  if (columns_sum) {
     s << "      if (threadIdx.x == 0) {\n";
     for (const LineFold& f : col_sums) s << "        mt.item_sums[(long long)it * OF_TENSOR_REDUCTIONS + " << f.slot << "] = 0.0;\n";
-    s << "      }\n";
-  }
-  s << "    }\n";
-  if (value_sums) {
-    // The matrix's last item to finish (of its column and row items) adds their sums in item order:
-    // deterministic whichever block is last.
+    s << "      }\n    }\n";
+    // A row item's first/items span the matrix's row items: its column items come just before them.
+    const std::string col_items = "(int)((C + " + std::to_string(kValueItemCols) + " - 1) / " + std::to_string(kValueItemCols) + ")";
     s << "    if (item.rows != 2) {\n"
-      << "      if (threadIdx.x == 0) {\n        __threadfence();\n"
-      << "        last_item = atomicAdd(mt.finished + m.matrix_offset + mb, 1u) == (unsigned)item.items - 1u;\n      }\n"
-      << "      __syncthreads();\n"
-      << "      if (last_item && threadIdx.x == 0) {\n        __threadfence();\n";
-    for (const std::vector<LineFold>* sums : {&row_sums, &col_sums})
-      for (const LineFold& f : *sums)
-        s << "        {\n          double sum = 0.0;\n"
-          << "          for (int j = 0; j < item.items; ++j) "
-          << fold(f.max, "sum", "mt.item_sums[(long long)(item.first + j) * OF_TENSOR_REDUCTIONS + " + std::to_string(f.slot) + "]")
-          << ";\n          msums[" << f.slot << "] = " << flag("sum", f.any)
-          << ";\n        }\n";
-    s << "        mt.finished[m.matrix_offset + mb] = 0u;  // ready for the next launch (or graph replay)\n      }\n    }\n";
+      << "      const int mfirst = item.rows ? item.first - " << col_items << " : item.first;\n"
+      << "      const int mitems = item.rows ? item.items + " << col_items << " : item.items;\n"
+      << last_item_sums("      ", "mfirst", "mitems") << "    }\n"
+      << "    __syncthreads();  // colsum, lanesum, scratch and last_item are reused by the next item\n  }\n";
+  } else {
+    if (!row_sums.empty()) s << last_item_sums("      ", "item.first", "item.items");
+    s << "    }\n    __syncthreads();  // colsum, scratch and last_item are reused by the next item\n  }\n";
   }
-  s << "    __syncthreads();  // colsum, lanesum, scratch and last_item are reused by the next item\n  }\n"
-    << "  (void)tensor_reductions; (void)scratch;\n}\n";
+  s << "  (void)tensor_reductions; (void)scratch;\n}\n";
   return s.str();
 }
 

@@ -85,11 +85,13 @@ std::vector<ValueItem> value_items(const std::vector<TensorRef>& tensors, int32_
     }
     for (int64_t b = 0; b < v.matrices; ++b) {  // items never span two matrices: its column items, then its row items
       const int32_t first = static_cast<int32_t>(items.size());
-      const int32_t n = i32((v.cols + cols_per_item - 1) / cols_per_item + (v.matrix_rows + rows_per_item - 1) / rows_per_item);
+      const int32_t ncols = i32((v.cols + cols_per_item - 1) / cols_per_item);
+      const int32_t nrows = i32((v.matrix_rows + rows_per_item - 1) / rows_per_item);
       for (int64_t c = 0; c < v.cols; c += cols_per_item)
-        items.push_back({tensor, i32(b * v.cols + c), i32(std::min<int64_t>(cols_per_item, v.cols - c)), 0, first, n});
+        items.push_back({tensor, i32(b * v.cols + c), i32(std::min<int64_t>(cols_per_item, v.cols - c)), 0, first, ncols + nrows});
       for (int64_t r = 0; r < v.matrix_rows; r += rows_per_item)
-        items.push_back({tensor, i32(b * v.matrix_rows + r), i32(std::min<int64_t>(rows_per_item, v.matrix_rows - r)), 1, first, n});
+        items.push_back({tensor, i32(b * v.matrix_rows + r), i32(std::min<int64_t>(rows_per_item, v.matrix_rows - r)), 1,
+                         first + ncols, nrows});
     }
   }
   return items;

@@ -59,8 +59,9 @@ std::vector<DeviceMatrix> device_matrices(const std::vector<TensorRef>& tensors,
 // One block's work in the CUDA Values step: a range [begin, begin + count) of a tensor's columns
 // (rows == 0) or rows (rows == 1), within one matrix of its view, or (rows == 2, small matrices) of
 // its matrices, a thread each. A matrix's items (its column items, then its row items) are
-// contiguous, `first` the index of its first and `items` their number: the last of them to finish
-// sums their sums of row and of column values in item order.
+// contiguous. A row item's `first` and `items` span the matrix's row items, a column item's all of
+// its items: the last of them to finish sums their sums of row values (and, where a step sums
+// column values too, of column values: every item of the matrix) in item order.
 // The generated struct OfValueItem matches.
 struct ValueItem {
   int32_t tensor = 0, begin = 0, count = 0, rows = 0, first = 0, items = 0;

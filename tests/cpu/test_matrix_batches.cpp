@@ -133,12 +133,14 @@ TEST(MatrixBatches, ChunksNeverSpanTwoMatricesAndHoldWholeSmallOnes) {
   EXPECT_EQ(ml.colparts, 12 * 16 + 50 * 3);
   const std::vector<ValueItem> items = value_items(ts, 32, 2048);
   ASSERT_EQ(items.size(), 3u * 2 + 1);  // per big matrix a column item and a row item; one item of whole matrices
-  for (int m = 0; m < 3; ++m)  // a matrix's items: its column item, then its row item
-    for (int j = 0; j < 2; ++j) {
-      EXPECT_EQ(items[static_cast<size_t>(2 * m + j)].rows, j);
-      EXPECT_EQ(items[static_cast<size_t>(2 * m + j)].first, 2 * m);
-      EXPECT_EQ(items[static_cast<size_t>(2 * m + j)].items, 2);
-    }
+  for (int m = 0; m < 3; ++m) {  // a matrix's items: its column item (spanning both), then its row item
+    EXPECT_EQ(items[static_cast<size_t>(2 * m)].rows, 0);
+    EXPECT_EQ(items[static_cast<size_t>(2 * m)].first, 2 * m);
+    EXPECT_EQ(items[static_cast<size_t>(2 * m)].items, 2);
+    EXPECT_EQ(items[static_cast<size_t>(2 * m + 1)].rows, 1);
+    EXPECT_EQ(items[static_cast<size_t>(2 * m + 1)].first, 2 * m + 1);
+    EXPECT_EQ(items[static_cast<size_t>(2 * m + 1)].items, 1);
+  }
   EXPECT_EQ(items[6].rows, 2);
   EXPECT_EQ(items[6].count, 50);
 }
