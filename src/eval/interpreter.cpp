@@ -345,6 +345,33 @@ template void run_element_phase<float>(const Plan&, size_t, const std::vector<Te
                                        const std::vector<double>&, std::vector<std::vector<double>>&, MatrixTables*);
 
 
+namespace {
+
+// One row's or column's values in the Values step, in graph order into val: its Rows / Cols states
+// (element `state_element` of them), its row / column reductions of element values (from their
+// pass: `reductions`, this line's entry of its table; slot_of[node] the slot in it) and its math.
+template <class T>
+void eval_line(const Graph& g, const std::vector<NodeId>& nodes, const TensorRef& ref, int64_t state_element,
+               const double* reductions, const std::vector<size_t>& slot_of, std::vector<T>& val) {
+  for (NodeId id : nodes) {
+    const Node& n = g.node(id);
+    const size_t i = static_cast<size_t>(id);
+    if (n.op == Op::State) {
+      const Buffer& buf = ref.states[static_cast<size_t>(n.index)];
+      val[i] = static_cast<T>(load_element(buf.data, buf.dtype, state_element));
+    } else if (op_is_reduction(n.op)) {
+      val[i] = static_cast<T>(reductions[slot_of[i]]);
+    } else {
+      T a = val[static_cast<size_t>(n.in[0])];
+      T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
+      T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
+      val[i] = apply_op<T>(n.op, a, y, z);
+    }
+  }
+}
+
+}  // namespace
+
 template <class T>
 void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef>& tensors, const double* table,
                      int groups, std::vector<double>& tensor_reductions, MatrixTables& m) {
@@ -407,21 +434,7 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
           const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
           std::fill(acc[side].begin(), acc[side].end(), 0.0);
           for (int64_t x = 0; x < count; ++x) {
-            for (NodeId id : nodes[side]) {
-              const Node& n = g.node(id);
-              const size_t i = static_cast<size_t>(id);
-              if (n.op == Op::State) {
-                const Buffer& buf = ref.states[static_cast<size_t>(n.index)];
-                val[i] = static_cast<T>(load_element(buf.data, buf.dtype, element0 + x));
-              } else if (op_is_reduction(n.op)) {  // a row / column reduction of element values, from its pass
-                val[i] = static_cast<T>(reductions[static_cast<size_t>(first + x) * per_red + slot_of[i]]);
-              } else {
-                T a = val[static_cast<size_t>(n.in[0])];
-                T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
-                T z = op_arity(n.op) > 2 ? val[static_cast<size_t>(n.in[2])] : T(0);
-                val[i] = apply_op<T>(n.op, a, y, z);
-              }
-            }
+            eval_line(g, nodes[side], ref, element0 + x, reductions.data() + static_cast<size_t>(first + x) * per_red, slot_of, val);
             for (size_t d = 0; d < derived_ids.size(); ++d)
               if (plan.level[static_cast<size_t>(derived_ids[d])] <= limit)
                 values[static_cast<size_t>(first + x) * per_val + d] = static_cast<double>(val[static_cast<size_t>(derived_ids[d])]);
