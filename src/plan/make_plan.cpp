@@ -235,9 +235,9 @@ void build_phases(Plan& plan) {
 // The update pass reads the stored value: in float32 the very bits it would have computed. A tensor
 // whose states are stored in 16 bits runs the replaced phases instead (Plan::recomputing): reading a
 // rounded state back would change its math (a float16 v that underflows to 0 would divide m by eps).
-// Where the step may be skipped, the skip
-// must be decided from values of lower levels than the pass (GradScaler's found_inf): the pass then
-// writes `skip ? old : new`, so a skipped step leaves the states as they were. Not for matrix plans.
+// Where the step may be skipped, the skip must be decided from values of lower levels than the pass
+// (GradScaler's found_inf): the pass then writes `skip ? old : new`, so a skipped step leaves the
+// states as they were. Not for matrix plans.
 void write_states_ahead(Plan& plan) {
   Program& p = plan.program;
   if (plan.phases.size() < 2 || plan.reads_shape) return;

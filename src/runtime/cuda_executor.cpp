@@ -40,8 +40,9 @@ const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: ch
 
 // A matrix plan's chunk budget: cuda_matrix_chunk_elements(), or, as a tuning knob for benchmarks,
 // OPTFUSE_CUDA_MATRIX_CHUNK_ELEMENTS (1024 to that default; chunks still hold at most OF_MROWS rows).
-// Smaller chunks spread a small model's passes more evenly over the blocks and cost more column
-// partials. Read once per process, so every executor (and a sharded step's map) agrees.
+// Smaller chunks would spread a small model's passes more evenly over the blocks but cost more
+// column partials: on the H200 every smaller budget was slower (docs/performance.md). Read once per
+// process, so every executor (and a sharded step's map) agrees.
 int32_t matrix_chunk_elements() {
   static const int32_t elems = [] {
     const int32_t standard = cuda_matrix_chunk_elements();
