@@ -138,6 +138,8 @@ struct Plan {
   // Whether a tensor with these state dtypes (one per state) runs `phases` as they are (true) or, for
   // the last reduce pass and the update, `recomputing` (false).
   bool runs_states_ahead(const std::vector<DType>& state_dtypes) const;
+  // Whether phase i has a recomputing form (it is one of the last two phases of such a plan).
+  bool has_recomputing_form(size_t i) const { return !recomputing.empty() && i + 2 >= phases.size(); }
   // The phase such a tensor runs as phase i.
   const ElementPhase& phase_for(size_t i, bool states_ahead) const;
   int max_level() const { return phases.empty() ? 0 : phases.back().level; }

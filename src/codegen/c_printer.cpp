@@ -221,13 +221,13 @@ std::string dialect_prelude(const Dialect& d) {
 std::string CPrinter::prelude() const { return dialect_prelude(d_) + low_precision_source(); }
 
 std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead) {
-  const bool recomputing = &plan.phase_for(phase, states_ahead) != &plan.phases.at(phase);
+  const bool recomputing = !states_ahead && plan.has_recomputing_form(phase);
   return "of_phase" + std::to_string(phase) + (recomputing ? "_element_recomputing" : "_element");
 }
 
 std::string CPrinter::element_function(size_t phase) const {
   std::string s = element_function(phase, true);
-  if (&plan_.phase_for(phase, false) != &plan_.phases.at(phase)) s += element_function(phase, false);
+  if (plan_.has_recomputing_form(phase)) s += element_function(phase, false);
   return s;
 }
 

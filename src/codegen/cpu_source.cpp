@@ -193,9 +193,8 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   if (plan.layout.tensor_values > 0)
     s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
   s << "  (void)tensor_row; (void)step;\n";
-  if (phase_rounds_stochastically(rr, var))  // the step being taken: a reduce pass runs before the count advances
-    s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)"
-      << (ph.kind == ElementPhase::Kind::Update ? "step" : "(step + 1.0)") << ");\n";
+  if (phase_rounds_stochastically(rr, var))  // (an update pass: states written ahead are float32)
+    s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)step);\n";
   else
     s << "  const unsigned long long rng = 0;\n";
   s << "  " << fn << "_run(len, u, acc, rng, t.rng_offset + begin";

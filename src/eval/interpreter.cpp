@@ -206,7 +206,6 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
   struct Form {
     const ElementPhase* phase;
     std::vector<int> loaded_state;
-    bool writes;
   };
   std::array<Form, 2> forms;  // [states_ahead]
   for (bool ahead : {false, true}) {
@@ -214,7 +213,6 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
     f.phase = &plan.phase_for(phase_index, ahead);
     f.loaded_state.assign(g.size(), -1);
     for (const auto& [node, state] : f.phase->loads) f.loaded_state[static_cast<size_t>(node)] = state;
-    f.writes = f.phase->writes_param || !f.phase->writes_states.empty();
   }
   std::vector<DType> state_dtypes(p.states.size());
   for (size_t c = first; c < last; ++c) {
@@ -223,7 +221,6 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
     for (size_t s = 0; s < state_dtypes.size(); ++s) state_dtypes[s] = t.states[s].dtype;
     const Form& form = forms[plan.runs_states_ahead(state_dtypes)];
     const std::vector<int>& loaded_state = form.loaded_state;
-    const bool writes = form.writes;
     int grp = t.group;
     if (update && table[L.skip_offset(groups) + grp] != 0.0) continue;
     // Uniform inputs, rounded to T as they enter element math.
@@ -245,10 +242,9 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
     for (size_t i = 0; i < g.size(); ++i)
       if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
     std::vector<double> acc(phase.reductions.size(), 0.0);
-    // Stochastic rounding's stream: the step being taken (the update pass's scalar phase has
-    // already advanced the group's count; a reduce pass that writes states runs before it).
-    const uint64_t rng =
-        writes ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp] + (update ? 0.0 : 1.0))) : 0;
+    // Stochastic rounding's stream: the group's step count, already advanced by the scalar phase.
+    // (Only the update pass rounds stochastically: states written ahead are float32.)
+    const uint64_t rng = update ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp])) : 0;
     auto store = [&](const Buffer& b, int role, int64_t e, T v) {
       if (b.stochastic_rounding)
         lowp::store_element_sr(b.data, b.dtype, e, static_cast<double>(v),

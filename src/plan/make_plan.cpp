@@ -246,7 +246,8 @@ void write_states_ahead(Plan& plan) {
   ElementPhase& reduce = plan.phases[plan.phases.size() - 2];
   ElementPhase& update = plan.phases.back();
   if (reduce.kind != ElementPhase::Kind::Reduce) return;
-  const bool skip_const = p.skip == kNoNode || p.graph.node(p.skip).op == Op::Const;
+  // (a skip folded to the constant 0 never skips: the states need no select)
+  const bool may_skip = p.skip != kNoNode && !(p.graph.node(p.skip).op == Op::Const && p.graph.node(p.skip).value == 0.0);
   if (p.skip != kNoNode && plan.level[static_cast<size_t>(p.skip)] >= reduce.level) return;
   std::vector<int> ahead;
   for (int s : update.writes_states) {
@@ -295,7 +296,7 @@ void write_states_ahead(Plan& plan) {
   for (NodeId r : reduce.reductions) roots.push_back(p.graph.node(r).in[0]);
   for (int s : ahead) {
     NodeId value = p.state_out[static_cast<size_t>(s)];
-    if (!skip_const || (p.skip != kNoNode && p.graph.node(p.skip).value != 0.0)) {
+    if (may_skip) {
       Node old_value;
       old_value.op = Op::State;
       old_value.index = s;
@@ -484,7 +485,7 @@ bool Plan::runs_states_ahead(const std::vector<DType>& state_dtypes) const {
 }
 
 const ElementPhase& Plan::phase_for(size_t i, bool states_ahead) const {
-  if (states_ahead || recomputing.empty() || i + 2 < phases.size()) return phases.at(i);
+  if (states_ahead || !has_recomputing_form(i)) return phases.at(i);
   return recomputing.at(i + 2 - phases.size());
 }
 

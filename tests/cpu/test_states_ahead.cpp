@@ -15,6 +15,7 @@
 #include "optfuse/optimizer.h"
 #include "optfuse/plan.h"
 #include "testing/tensor_set.h"
+#include "testing/workloads.h"
 
 namespace optfuse {
 namespace {
@@ -24,13 +25,10 @@ using testing::TensorSpec;
 
 const std::vector<TensorSpec> kSpecs = {{0, 0}, {1, 0}, {3, 1}, {1023, 0}, {65537, 1}};
 
-int bytes_per_element(const Plan& plan, bool states_ahead) {
-  int n = 0;
-  for (size_t i = 0; i < plan.phases.size(); ++i) {
-    const ElementPhase& ph = plan.phase_for(i, states_ahead);
-    n += 4 * (ph.reads() + ph.writes());
-  }
-  return n;
+// Bytes per element with float32 states (written ahead), and in float32 units with 16-bit ones
+// (the recomputing forms): the benchmarks' count, testing::plan_bytes_per_element.
+int64_t bytes_per_element(const Plan& plan, bool states_ahead) {
+  return states_ahead ? testing::plan_bytes_per_element(plan, DType::f32) : 2 * testing::plan_bytes_per_element(plan, DType::bf16);
 }
 
 TEST(StatesAhead, LambWritesMAndVInItsLastReducePass) {
