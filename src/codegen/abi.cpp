@@ -1,28 +1,50 @@
 #include "codegen/abi.h"
 
 #include <algorithm>
+#include <sstream>
 
 #include "optfuse/error.h"
 
 namespace optfuse {
 
-std::string scalar_layout_source(const ScalarLayout& L) {
-  // Each area's offset as a + b * groups, read from the layout itself (its offsets are affine in G).
+std::string layout_source(const Plan& plan) {
+  const ScalarLayout& L = plan.layout;
+  std::ostringstream s;
+  // Each count, and (_ARRAY) the size of an array holding one entry's slots: at least 1, as C++
+  // has no empty arrays.
+  auto count = [&](const char* name, int n) {
+    s << "#define OF_" << name << " " << n << "\n#define OF_" << name << "_ARRAY " << std::max(n, 1) << "\n";
+  };
+  s << "\n// The plan's layout (ScalarLayout in plan.h, printed from it): every count of slots the host\n"
+    << "// tables and the generated code share\n";
+  count("HYPERS", L.hypers_per_group);          // per group, in the scalar table
+  count("DERIVED", L.derived_per_group);        // per group: uniform values element code reads
+  s << "#define OF_REDUCTIONS " << L.reductions << "\n";              // global scope, in the scalar table
+  s << "#define OF_USTATES " << L.uniform_states_per_group << "\n";   // per group, in the scalar table
+  count("TENSOR_REDUCTIONS", L.tensor_reductions);  // per tensor, in the tensor-reductions table
+  count("ROW_REDS", L.row_reductions);          // per row of a matrix view, in the row table
+  count("COL_REDS", L.col_reductions);          // per column (and per chunk: its partials)
+  count("ROW_VALUES", L.row_values);
+  count("COL_VALUES", L.col_values);
+  // The uniform inputs of element code, u[]: derived values, tensor values, row values, column values.
+  s << "#define OF_VALUES_ARRAY " << std::max(L.derived_per_group + L.tensor_values + L.row_values + L.col_values, 1) << "\n"
+    << "#define OF_ROW_U (OF_DERIVED + " << L.tensor_values << ")  // u[OF_ROW_U + k]: row value k\n"
+    << "#define OF_COL_U (OF_ROW_U + OF_ROW_VALUES)  // u[OF_COL_U + k]: column value k\n";
+  // Each area's offset in the scalar table as a + b * groups, read from the layout itself (its
+  // offsets are affine in G).
   auto area = [&](const char* name, int (ScalarLayout::*offset)(int) const) {
     const long long a = (L.*offset)(0), b = (L.*offset)(1) - a;
-    return std::string("__device__ __forceinline__ long long of_") + name + "_offset(int groups) { return " +
-           std::to_string(a) + "LL + (long long)groups * " + std::to_string(b) + "LL; }\n";
+    s << "OF_FN long long of_" << name << "_offset(int groups) { return " << a << "LL + (long long)groups * " << b << "LL; }\n";
   };
-  std::string s = "\n// Scalar table layout (ScalarLayout in plan.h, printed from it):\n"
-                  "//   globals[" + std::to_string(kNumGlobals) + "] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | "
-                  "ustate[G x S] | derived[G x D]\n";
-  s += "__device__ __forceinline__ long long of_reductions_offset() { return " + std::to_string(L.reductions_offset()) + "LL; }\n";
-  s += "__device__ __forceinline__ long long of_hypers_offset() { return " + std::to_string(L.hypers_offset()) + "LL; }\n";
-  s += area("steps", &ScalarLayout::steps_offset);
-  s += area("skip", &ScalarLayout::skip_offset);
-  s += area("ustate", &ScalarLayout::uniform_states_offset);
-  s += area("derived", &ScalarLayout::derived_offset);
-  return s;
+  s << "// The scalar table: globals[" << kNumGlobals << "] | reductions[R] | hypers[G x H] | steps[G] | skip[G] | "
+    << "ustate[G x S] | derived[G x D]\n"
+    << "OF_FN long long of_reductions_offset() { return " << L.reductions_offset() << "LL; }\n"
+    << "OF_FN long long of_hypers_offset() { return " << L.hypers_offset() << "LL; }\n";
+  area("steps", &ScalarLayout::steps_offset);
+  area("skip", &ScalarLayout::skip_offset);
+  area("ustate", &ScalarLayout::uniform_states_offset);
+  area("derived", &ScalarLayout::derived_offset);
+  return s.str();
 }
 
 std::string abi_source() {

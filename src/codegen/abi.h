@@ -42,8 +42,11 @@ bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v);
 
 // Needs OF_ROLES and OF_FN (the printer's common source) defined before it.
 std::string abi_source();
-// The scalar table's offset functions (of_hypers_offset(), of_steps_offset(groups), ...), printed
-// from the plan's ScalarLayout: the one definition of the layout, for generated code too.
-std::string scalar_layout_source(const ScalarLayout& layout);
+// The plan's layout as every dialect reads it, printed from its ScalarLayout: the counts of each
+// area's slots (OF_HYPERS, OF_DERIVED, OF_REDUCTIONS, OF_TENSOR_REDUCTIONS, OF_ROW_REDS, ...; each
+// with an _ARRAY size of at least 1), where row and column values sit in element code's inputs, and
+// the scalar table's offset functions (of_hypers_offset(), of_steps_offset(groups), ...). The one
+// definition of the layout, for generated code too. Needs OF_FN defined before it.
+std::string layout_source(const Plan& plan);
 
 }  // namespace optfuse

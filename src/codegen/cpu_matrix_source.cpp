@@ -183,7 +183,6 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
 
 std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vector<StorageVariant>& variants) {
   const ElementPhase& ph = plan.phases[i];
-  const ScalarLayout& L = plan.layout;
   std::vector<MatrixReduction> reds;
   for (size_t k = 0; k < ph.reductions.size(); ++k) {
     const size_t r = plan.reduction_index(ph.reductions[k]);
@@ -191,9 +190,6 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   }
   const size_t nred = ph.reductions.size();
   std::ostringstream s;
-  s << "\n#undef OF_ROW_REDS\n#define OF_ROW_REDS " << std::max(L.row_reductions, 1) << "\n#undef OF_COL_REDS\n#define OF_COL_REDS "
-    << std::max(L.col_reductions, 1) << "\n#undef OF_ROW_VALUES\n#define OF_ROW_VALUES " << std::max(L.row_values, 1)
-    << "\n#undef OF_COL_VALUES\n#define OF_COL_VALUES " << std::max(L.col_values, 1) << "\n";
   const std::string per_matrix = CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i);
   s << per_matrix;
   for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds, !per_matrix.empty());

@@ -212,7 +212,7 @@ std::string generate_cpu_source(const Plan& plan, const std::vector<StorageVaria
   std::vector<std::string> roles = role_names(plan);
   std::ostringstream s;
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_LANES " << kCpuReduceLanes
-    << "\n" << pr.common_source() << abi_source() << kCpuTables;
+    << "\n" << pr.common_source() << abi_source() << layout_source(plan) << kCpuTables;
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     if (plan.matrix()) {  // row by row over whole-row chunks (cpu_matrix_source.h)
       s << cpu_matrix_phase_source(plan, i, variants);

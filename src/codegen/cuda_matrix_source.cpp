@@ -97,8 +97,7 @@ int32_t cuda_matrix_chunk_elements() { return kMatrixChunkElements; }
 int32_t cuda_value_item_cols() { return kValueItemCols; }
 int32_t cuda_value_item_rows() { return kValueItemRows; }
 
-std::string cuda_matrix_prelude(const Plan& plan) {
-  const ScalarLayout& L = plan.layout;
+std::string cuda_matrix_prelude() {
   std::ostringstream s;
   s << "\n// Matrix plans (codegen/cuda_matrix_source.h)\n"
     << "#define OF_MROWS " << kMatrixChunkRows << "\n"
@@ -113,13 +112,6 @@ std::string cuda_matrix_prelude(const Plan& plan) {
     << "__device__ __forceinline__ bool of_vec4_fills(long long C) {\n"
     << "  const long long tiles = (C + 4LL * OF_THREADS - 1) / (4LL * OF_THREADS);\n"
     << "  return C * 100 >= (long long)OF_VEC4_MIN_FILL * 4LL * OF_THREADS * tiles;\n}\n"
-    << "#define OF_ROW_REDS " << L.row_reductions << "\n#define OF_ROW_REDS_ARRAY " << std::max(L.row_reductions, 1) << "\n"
-    << "#define OF_COL_REDS " << L.col_reductions << "\n#define OF_COL_REDS_ARRAY " << std::max(L.col_reductions, 1) << "\n"
-    << "#define OF_ROW_VALUES " << L.row_values << "\n#define OF_ROW_VALUES_ARRAY " << std::max(L.row_values, 1) << "\n"
-    << "#define OF_COL_VALUES " << L.col_values << "\n#define OF_COL_VALUES_ARRAY " << std::max(L.col_values, 1) << "\n"
-    << "#define OF_TENSOR_REDUCTIONS_ARRAY " << std::max(L.tensor_reductions, 1) << "\n"
-    << "#define OF_ROW_U (OF_DERIVED + " << L.tensor_values << ")  // u[OF_ROW_U + k]: row value k\n"
-    << "#define OF_COL_U (OF_ROW_U + OF_ROW_VALUES)  // u[OF_COL_U + k]: column value k\n"
     << R"(// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
 struct OfMatrixTables {
   const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
@@ -471,7 +463,6 @@ std::string cuda_values_kernel(const Plan& plan, size_t i, const std::vector<Sto
     if (!plan.is_value_reduction(node) || plan.level[static_cast<size_t>(node)] > limit) continue;
     (plan.kind[static_cast<size_t>(g.node(node).in[0])] == ValueKind::Row ? row_sums : col_sums).push_back(line_fold(plan, r));
   }
-  const bool value_sums = !row_sums.empty() || !col_sums.empty();
   std::vector<LineFold> combined;  // column reductions produced by the pass just run
   for (size_t r = 0; r < plan.reductions.size(); ++r) {
     if (plan.scope_of(r) != Scope::Col) continue;

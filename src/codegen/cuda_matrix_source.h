@@ -41,7 +41,7 @@ int32_t cuda_value_item_cols();
 int32_t cuda_value_item_rows();
 
 // Structs and constants (after the ABI and the driver prelude).
-std::string cuda_matrix_prelude(const Plan& plan);
+std::string cuda_matrix_prelude();
 std::string cuda_matrix_chunk_function(const Plan& plan, size_t phase, size_t variant, const StorageVariant& var);
 std::string cuda_matrix_commit_function(const Plan& plan, size_t phase, size_t variant, const StorageVariant& var);
 std::string cuda_values_kernel(const Plan& plan, size_t phase, const std::vector<StorageVariant>& variants);

@@ -531,7 +531,6 @@ std::string generate_cuda_source(const Plan& plan) { return generate_cuda_source
 
 std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
   CPrinter pr(plan, cuda_dialect());
-  const ScalarLayout& L = plan.layout;
   std::ostringstream s;
   // Kernel shape, measured on an H200 (dev/h200_cuda_check.sh --tune): one 16-byte vector per role
   // per thread per pass with at least 3 blocks of 256 threads per SM (an 85-register cap, no spills
@@ -541,20 +540,12 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
   // rounding at 89.1% of its floor against 85.7% with 3 (H200, docs/performance.md), while the other
   // bf16/fp32 kernels were 1-4 points slower with 4. The #ifndef lets a benchmark override them
   // (OPTFUSE_CUDA_DEFINES in the executor).
-  s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_HYPERS " << L.hypers_per_group
-    << "\n#define OF_HYPERS_ARRAY " << std::max(L.hypers_per_group, 1)
-    << "\n#define OF_DERIVED " << L.derived_per_group << "\n#define OF_DERIVED_ARRAY "
-    << std::max(L.derived_per_group, 1) << "\n#define OF_VALUES_ARRAY "
-    << std::max(L.derived_per_group + L.tensor_values + L.row_values + L.col_values, 1)
-    << "\n#define OF_TENSOR_REDUCTIONS " << L.tensor_reductions
-    << "\n#define OF_REDUCTIONS " << L.reductions << "\n#define OF_USTATES " << L.uniform_states_per_group
-    << "\n#define OF_THREADS "
-    << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
+  s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_THREADS " << kThreads << "\n#ifndef OF_UNROLL_32\n#define OF_UNROLL_32 1\n#endif\n#ifndef OF_UNROLL_16\n#define OF_UNROLL_16 1\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS_SR\n#define OF_MIN_BLOCKS_SR 4\n#endif\n"
     << "#ifndef OF_CACHE_HINTS\n#define OF_CACHE_HINTS 0\n#endif\n"
-    << pr.common_source() << abi_source() << scalar_layout_source(L) << kCudaDriverPrelude;
-  if (plan.matrix()) s << cuda_matrix_prelude(plan);
+    << pr.common_source() << abi_source() << layout_source(plan) << kCudaDriverPrelude;
+  if (plan.matrix()) s << cuda_matrix_prelude();
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);
     for (size_t k = 0; k < variants.size(); ++k) {
