@@ -105,13 +105,6 @@ std::string cuda_matrix_prelude() {
     << "// pass that also stores, 4R1: a reduce pass reading one role; H200 choices: docs/performance.md)\n"
     << "#ifndef OF_MUNROLL1\n#define OF_MUNROLL1 8\n#endif\n#ifndef OF_MUNROLL4\n#define OF_MUNROLL4 4\n#endif\n#ifndef OF_MUNROLL4W\n#define OF_MUNROLL4W 2\n#endif\n"
     << "#ifndef OF_MUNROLL4R1\n#define OF_MUNROLL4R1 8\n#endif\n"
-    << "// 4 columns per thread only where that fills at least OF_VEC4_MIN_FILL percent of the threads'\n"
-    << "// column slots over the view's tiles: a view 768 wide would run 192 of 256 threads on 16-byte\n"
-    << "// tiles, where tiles of 1 column fill all 256 (H200: docs/performance.md)\n"
-    << "#ifndef OF_VEC4_MIN_FILL\n#define OF_VEC4_MIN_FILL 90\n#endif\n"
-    << "__device__ __forceinline__ bool of_vec4_fills(long long C) {\n"
-    << "  const long long tiles = (C + 4LL * OF_THREADS - 1) / (4LL * OF_THREADS);\n"
-    << "  return C * 100 >= (long long)OF_VEC4_MIN_FILL * 4LL * OF_THREADS * tiles;\n}\n"
     << R"(// The matrix tables, [row or column][slot] row-major (the CUDA executor's DeviceMatrixTables).
 struct OfMatrixTables {
   const OfMatrix* m; double* row_red; double* col_part; double* col_red; float* row_val; float* col_val;
@@ -271,13 +264,12 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
   s << "  } else {\n";
   // Wider views: threads take columns, W consecutive ones each (tiles of W * OF_THREADS), and walk
   // the chunk's rows, OF_MUNROLL<W> rows' loads at a time; W = 4 (16-byte float32 or 8-byte 16-bit
-  // loads and stores) where the view's width and every role's address allow it and its tiles fill
-  // the threads (of_vec4_fills), else 1. A row's sum
+  // loads and stores) where the view's width and every role's address allow it, else 1. A row's sum
   // is per warp (shuffle tree) into srow[slot][row][warp], then the warps in order into racc.
   if (row_reds)
     s << "    for (int x = threadIdx.x; x < OF_ROW_REDS * OF_MROWS; x += OF_THREADS) racc[x] = 0.0;\n"
       << "    __syncthreads();\n";
-  std::string aligned = "C % 4 == 0 && of_vec4_fills(C)";
+  std::string aligned = "C % 4 == 0";
   for (int r : pr.used)
     aligned += " && ((unsigned long long)" + nm(r) + "_p % " + std::to_string(4 * dtype_size(var[static_cast<size_t>(r)].dtype)) + "u) == 0";
   auto tile_loop = [&](int W, const std::string& ind) {
