@@ -113,13 +113,17 @@ struct OfMatrixTables {
   double* matrix_sums;  // [matrix][OF_TENSOR_REDUCTIONS]: each matrix's sums of row values
 };
 struct OfValueItem { int tensor, begin, count, rows, first, items; };  // ValueItem
-// Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that).
-template <int DT> __device__ __forceinline__ void of_load4(const typename OfStorage<DT>::E* p, float* out) {
+// Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that);
+// RO: a role the pass only reads, loaded through the read-only data path (OF_LOAD4_RO 0: not).
+#ifndef OF_LOAD4_RO
+#define OF_LOAD4_RO 1
+#endif
+template <int DT, bool RO> __device__ __forceinline__ void of_load4(const typename OfStorage<DT>::E* p, float* out) {
   if constexpr (DT == 0) {
-    const float4 x = *(const float4*)p;
+    const float4 x = RO && OF_LOAD4_RO ? __ldg((const float4*)p) : *(const float4*)p;
     out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
   } else {
-    const uint2 x = *(const uint2*)p;
+    const uint2 x = RO && OF_LOAD4_RO ? __ldg((const uint2*)p) : *(const uint2*)p;
     out[0] = of_widen<DT>((unsigned short)(x.x & 0xffffu)); out[1] = of_widen<DT>((unsigned short)(x.x >> 16));
     out[2] = of_widen<DT>((unsigned short)(x.y & 0xffffu)); out[3] = of_widen<DT>((unsigned short)(x.y >> 16));
   }
@@ -279,73 +283,93 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     const std::string U = W == 1 ? "OF_MUNROLL1" : !pr.writes.empty() ? "OF_MUNROLL4W" : pr.reads.size() == 1 ? "OF_MUNROLL4R1" : "OF_MUNROLL4";
     o << ind << "for (long long tile = 0; tile < C; tile += " << W << "LL * OF_THREADS) {\n"
       << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n"
-      << ind << "  const bool active = c0 < C;\n";
+      << ind << "  const bool active = c0 < C;\n"
+      // Every load is unconditional, of a valid address: threads past the view's last column load
+      // its last columns, and rows past the chunk's end its last row, values they never use. A
+      // load behind a branch is issued where its value is used: a latency per row (or per element).
+      << ind << "  const long long cl = active ? c0 : C - " << W << ";  // the column loads read\n";
     if (plan.layout.col_values > 0)
       o << ind << "  float colv[" << W << "][OF_COL_VALUES_ARRAY];\n"
-        << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
-        << ind << "      for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + c0 + w) * OF_COL_VALUES + q];\n";
+        << ind << "  for (int w = 0; w < " << W << "; ++w)\n"
+        << ind << "    for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + cl + w) * OF_COL_VALUES + q];\n";
     if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
     o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
-    for (int r : pr.reads) o << ind << "    float in" << r << "[" + U + "][" << W << "];\n";
-    // The rows' values are loaded with the rows' elements, not before each row's math (a load
-    // latency per row made the 4-byte reduce pass of Adafactor latency-bound).
-    if (plan.layout.row_values > 0) o << ind << "    float rowv[" + U + "][OF_ROW_VALUES_ARRAY];\n";
-    o << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k)\n"
-      << ind << "      if (active && rg + k < rows) {\n"
-      << ind << "        const long long e = (long long)(rg + k) * C + c0;\n";
-    for (int r : pr.reads) {
-      if (W == 4)
-        o << ind << "        of_load4<" << dt(r) << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
-      else
-        o << ind << "        in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
-          << "_p + e);\n";
-    }
-    if (plan.layout.row_values > 0)
-      o << ind << "        for (int q = 0; q < OF_ROW_VALUES; ++q) rowv[k][q] = mt.row_val[(m.row_offset + r0 + rg + k) * OF_ROW_VALUES + q];\n";
-    o << ind << "      }\n"
-      << ind << "    #pragma unroll\n" << ind << "    for (int k = 0; k < " + U + "; ++k) {\n"
-      << ind << "      const int r = rg + k;\n" << ind << "      if (r >= rows) break;  // (uniform over the block)\n"
-      << ind << "      const long long e = (long long)r * C + c0;\n" << ind << "      (void)e;\n";
-    if (row_reds) o << ind << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
-    // Threads past the view's last column do nothing but take part in the row sums' shuffles.
-    o << ind << "      if (active) {\n";
-    if (plan.layout.row_values > 0) o << ind << "        for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = rowv[k][q];\n";
-    for (int r : pr.writes) o << ind << "        float out" << r << "[" << W << "];\n";
-    o << ind << "        #pragma unroll\n" << ind << "        for (int w = 0; w < " << W << "; ++w) {\n"
-      << ind << "          double a[" << nred << "];\n";
-    // Each reduction's running accumulator goes into the element function, which adds to it
-    // directly (no zeroed partial per element and a second add: the same sums, one add fewer).
-    auto running = [&](const PhaseReduction& r) {
-      const std::string slot = std::to_string(r.slot);
-      return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "cacc[w][" + slot + "]" : "acc[" + std::to_string(r.k) + "]";
+    // A group of whole rows runs its U rows' loads and math with no branch between them (a load
+    // past a branch is issued where its value is used: a latency per row); the chunk's last group,
+    // of fewer rows, loads its last row again in their place and stops at the chunk's end.
+    auto rows_group = [&](bool full, const std::string& gi) {
+      std::ostringstream g;
+      for (int r : pr.reads) g << gi << "    float in" << r << "[" + U + "][" << W << "];\n";
+      // The rows' values are loaded with the rows' elements, not before each row's math (a load
+      // latency per row made the 4-byte reduce pass of Adafactor latency-bound).
+      if (plan.layout.row_values > 0) g << gi << "    float rowv[" + U + "][OF_ROW_VALUES_ARRAY];\n";
+      g << gi << "    #pragma unroll\n" << gi << "    for (int k = 0; k < " + U + "; ++k) {\n"
+        << gi << (full ? "      const int lr = rg + k;\n" : "      const int lr = min(rg + k, rows - 1);  // the row loads read\n")
+        << gi << "      const long long e = (long long)lr * C + cl;\n";
+      for (int r : pr.reads) {
+        if (W == 4)
+          g << gi << "      of_load4<" << dt(r) << ", " << (pr.read_only(r) ? "true" : "false") << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
+        else
+          g << gi << "      in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
+            << "_p + e);\n";
+      }
+      if (plan.layout.row_values > 0)
+        g << gi << "      for (int q = 0; q < OF_ROW_VALUES; ++q) rowv[k][q] = mt.row_val[(m.row_offset + r0 + lr) * OF_ROW_VALUES + q];\n";
+      g << gi << "    }\n"
+        << gi << "    #pragma unroll\n" << gi << "    for (int k = 0; k < " + U + "; ++k) {\n"
+        << gi << "      const int r = rg + k;\n";
+      if (!full) g << gi << "      if (r >= rows) break;  // (uniform over the block)\n";
+      g << gi << "      const long long e = (long long)r * C + c0;\n" << gi << "      (void)e;\n";
+      if (row_reds) g << gi << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
+      // Threads past the view's last column compute on what they loaded but keep none of it (their
+      // sums stay as they were; they store nothing): no branch per element, and they take part in
+      // the row sums' shuffles.
+      g << gi << "      {\n";
+      if (plan.layout.row_values > 0) g << gi << "        for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = rowv[k][q];\n";
+      for (int r : pr.writes) g << gi << "        float out" << r << "[" << W << "];\n";
+      g << gi << "        #pragma unroll\n" << gi << "        for (int w = 0; w < " << W << "; ++w) {\n"
+        << gi << "          double a[" << nred << "];\n";
+      // Each reduction's running accumulator goes into the element function, which adds to it
+      // directly (no zeroed partial per element and a second add: the same sums, one add fewer).
+      auto running = [&](const PhaseReduction& r) {
+        const std::string slot = std::to_string(r.slot);
+        return r.scope == Scope::Row ? "rowpart[" + slot + "]" : r.scope == Scope::Col ? "cacc[w][" + slot + "]" : "acc[" + std::to_string(r.k) + "]";
+      };
+      for (const PhaseReduction& r : reds) g << gi << "          a[" << r.k << "] = " << running(r) << ";\n";
+      if (reds.empty()) g << gi << "          a[0] = 0.0;\n";
+      if (plan.layout.col_values > 0)
+        g << gi << "          for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = colv[w][q];\n";
+      g << gi << "          float v[OF_ROLES];\n";
+      for (int r : pr.reads) g << gi << "          v[" << r << "] = in" << r << "[k][w];\n";
+      g << gi << "          of_phase" << i << "_element(v, u, a);\n";
+      for (int r : pr.writes) g << gi << "          out" << r << "[w] = v[" << r << "];\n";
+      for (const PhaseReduction& r : reds)
+        g << gi << "          " << running(r) << " = active ? a[" << r.k << "] : " << running(r) << ";\n";
+      g << gi << "        }\n";
+      if (!pr.writes.empty()) g << gi << "        if (active) {\n";
+      for (int r : pr.writes) {
+        if (var[static_cast<size_t>(r)].stochastic)
+          g << gi << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
+            << "[w], of_rng_bits(rng, rng_first + (unsigned long long)(e + w), " << r << "));\n";
+        else if (W == 4)
+          g << gi << "        of_store4<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << ");\n";
+        else
+          g << gi << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
+      }
+      if (!pr.writes.empty()) g << gi << "        }\n";
+      g << gi << "      }\n";
+      for (const PhaseReduction& r : reds)
+        if (r.scope == Scope::Row)
+          g << gi << "      {\n" << gi << "        double x = rowpart[" << r.slot << "];\n"
+            << gi << "        for (int o = 16; o > 0; o >>= 1) " << fold(r.max, "x", "__shfl_down_sync(0xffffffffu, x, o)") << ";\n"
+            << gi << "        if ((threadIdx.x & 31) == 0) srow[(" << r.slot
+            << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n" << gi << "      }\n";
+      g << gi << "    }\n";  // the rows
+      return g.str();
     };
-    for (const PhaseReduction& r : reds) o << ind << "          a[" << r.k << "] = " << running(r) << ";\n";
-    if (reds.empty()) o << ind << "          a[0] = 0.0;\n";
-    if (plan.layout.col_values > 0)
-      o << ind << "          for (int q = 0; q < OF_COL_VALUES; ++q) u[OF_COL_U + q] = colv[w][q];\n";
-    o << ind << "          float v[OF_ROLES];\n";
-    for (int r : pr.reads) o << ind << "          v[" << r << "] = in" << r << "[k][w];\n";
-    o << ind << "          of_phase" << i << "_element(v, u, a);\n";
-    for (int r : pr.writes) o << ind << "          out" << r << "[w] = v[" << r << "];\n";
-    for (const PhaseReduction& r : reds) o << ind << "          " << running(r) << " = a[" << r.k << "];\n";
-    o << ind << "        }\n";
-    for (int r : pr.writes) {
-      if (var[static_cast<size_t>(r)].stochastic)
-        o << ind << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
-          << "[w], of_rng_bits(rng, rng_first + (unsigned long long)(e + w), " << r << "));\n";
-      else if (W == 4)
-        o << ind << "        of_store4<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << ");\n";
-      else
-        o << ind << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
-    }
-    o << ind << "      }\n";
-    for (const PhaseReduction& r : reds)
-      if (r.scope == Scope::Row)
-        o << ind << "      {\n" << ind << "        double x = rowpart[" << r.slot << "];\n"
-          << ind << "        for (int o = 16; o > 0; o >>= 1) " << fold(r.max, "x", "__shfl_down_sync(0xffffffffu, x, o)") << ";\n"
-          << ind << "        if ((threadIdx.x & 31) == 0) srow[(" << r.slot
-          << " * OF_MROWS + r) * (OF_THREADS / 32) + (threadIdx.x >> 5)] = x;\n" << ind << "      }\n";
-    o << ind << "    }\n" << ind << "  }\n";
+    o << ind << "    if (rg + " + U + " <= rows) {\n" << rows_group(true, ind + "  ") << ind << "    } else {\n"
+      << rows_group(false, ind + "  ") << ind << "    }\n";
+    o << ind << "  }\n";
     for (const PhaseReduction& r : reds)
       if (r.scope == Scope::Col)
         o << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
