@@ -113,17 +113,13 @@ struct OfMatrixTables {
   double* matrix_sums;  // [matrix][OF_TENSOR_REDUCTIONS]: each matrix's sums of row values
 };
 struct OfValueItem { int tensor, begin, count, rows, first, items; };  // ValueItem
-// Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that);
-// RO: a role the pass only reads, loaded through the read-only data path (OF_LOAD4_RO 0: not).
-#ifndef OF_LOAD4_RO
-#define OF_LOAD4_RO 1
-#endif
-template <int DT, bool RO> __device__ __forceinline__ void of_load4(const typename OfStorage<DT>::E* p, float* out) {
+// Four consecutive elements (16 bytes of float32, 8 of a 16-bit dtype; the address aligned to that).
+template <int DT> __device__ __forceinline__ void of_load4(const typename OfStorage<DT>::E* p, float* out) {
   if constexpr (DT == 0) {
-    const float4 x = RO && OF_LOAD4_RO ? __ldg((const float4*)p) : *(const float4*)p;
+    const float4 x = *(const float4*)p;
     out[0] = x.x; out[1] = x.y; out[2] = x.z; out[3] = x.w;
   } else {
-    const uint2 x = RO && OF_LOAD4_RO ? __ldg((const uint2*)p) : *(const uint2*)p;
+    const uint2 x = *(const uint2*)p;
     out[0] = of_widen<DT>((unsigned short)(x.x & 0xffffu)); out[1] = of_widen<DT>((unsigned short)(x.x >> 16));
     out[2] = of_widen<DT>((unsigned short)(x.y & 0xffffu)); out[3] = of_widen<DT>((unsigned short)(x.y >> 16));
   }
@@ -294,28 +290,39 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         << ind << "    for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + cl + w) * OF_COL_VALUES + q];\n";
     if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
     o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
-    // A group of whole rows runs its U rows' loads and math with no branch between them (a load
-    // past a branch is issued where its value is used: a latency per row); the chunk's last group,
-    // of fewer rows, loads its last row again in their place and stops at the chunk's end.
-    auto rows_group = [&](bool full, const std::string& gi) {
+    // How a group of U rows runs. Full: a reduce pass without row sums runs a group of whole rows'
+    // loads and math with no branch between them (a load past a branch is issued where its value
+    // is used: a latency per row), Tail: the chunk's last group of fewer rows loads its last row
+    // again in their place and stops at the chunk's end; Guarded: other passes load only their
+    // rows and columns and branch around the math of threads past the last column. On the H200 the
+    // first two took Adafactor's 4-byte pass from 89% to 96.6% of its floor, but made its passes with
+    // row sums or stores 3-5% slower (docs/performance.md).
+    enum class Group { Full, Tail, Guarded };
+    auto rows_group = [&](Group mode, const std::string& gi) {
+      const bool full = mode == Group::Full, guarded = mode == Group::Guarded;
       std::ostringstream g;
       for (int r : pr.reads) g << gi << "    float in" << r << "[" + U + "][" << W << "];\n";
       // The rows' values are loaded with the rows' elements, not before each row's math (a load
       // latency per row made the 4-byte reduce pass of Adafactor latency-bound).
       if (plan.layout.row_values > 0) g << gi << "    float rowv[" + U + "][OF_ROW_VALUES_ARRAY];\n";
-      g << gi << "    #pragma unroll\n" << gi << "    for (int k = 0; k < " + U + "; ++k) {\n"
-        << gi << (full ? "      const int lr = rg + k;\n" : "      const int lr = min(rg + k, rows - 1);  // the row loads read\n")
-        << gi << "      const long long e = (long long)lr * C + cl;\n";
+      g << gi << "    #pragma unroll\n" << gi << "    for (int k = 0; k < " + U + "; ++k)" << (guarded ? "\n" : " {\n");
+      const std::string li = guarded ? gi + "  " : gi;  // the loads' indentation
+      if (guarded)
+        g << gi << "      if (active && rg + k < rows) {\n" << li << "      const int lr = rg + k;\n"
+          << li << "      const long long e = (long long)lr * C + c0;\n";
+      else
+        g << gi << (full ? "      const int lr = rg + k;\n" : "      const int lr = min(rg + k, rows - 1);  // the row loads read\n")
+          << gi << "      const long long e = (long long)lr * C + cl;\n";
       for (int r : pr.reads) {
         if (W == 4)
-          g << gi << "      of_load4<" << dt(r) << ", " << (pr.read_only(r) ? "true" : "false") << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
+          g << li << "      of_load4<" << dt(r) << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
         else
-          g << gi << "      in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
+          g << li << "      in" << r << "[k][0] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r)
             << "_p + e);\n";
       }
       if (plan.layout.row_values > 0)
-        g << gi << "      for (int q = 0; q < OF_ROW_VALUES; ++q) rowv[k][q] = mt.row_val[(m.row_offset + r0 + lr) * OF_ROW_VALUES + q];\n";
-      g << gi << "    }\n"
+        g << li << "      for (int q = 0; q < OF_ROW_VALUES; ++q) rowv[k][q] = mt.row_val[(m.row_offset + r0 + lr) * OF_ROW_VALUES + q];\n";
+      g << gi << (guarded ? "      }\n" : "    }\n")
         << gi << "    #pragma unroll\n" << gi << "    for (int k = 0; k < " + U + "; ++k) {\n"
         << gi << "      const int r = rg + k;\n";
       if (!full) g << gi << "      if (r >= rows) break;  // (uniform over the block)\n";
@@ -324,7 +331,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       // Threads past the view's last column compute on what they loaded but keep none of it (their
       // sums stay as they were; they store nothing): no branch per element, and they take part in
       // the row sums' shuffles.
-      g << gi << "      {\n";
+      g << gi << (guarded ? "      if (active) {\n" : "      {\n");
       if (plan.layout.row_values > 0) g << gi << "        for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = rowv[k][q];\n";
       for (int r : pr.writes) g << gi << "        float out" << r << "[" << W << "];\n";
       g << gi << "        #pragma unroll\n" << gi << "        for (int w = 0; w < " << W << "; ++w) {\n"
@@ -344,9 +351,10 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       g << gi << "          of_phase" << i << "_element(v, u, a);\n";
       for (int r : pr.writes) g << gi << "          out" << r << "[w] = v[" << r << "];\n";
       for (const PhaseReduction& r : reds)
-        g << gi << "          " << running(r) << " = active ? a[" << r.k << "] : " << running(r) << ";\n";
+        g << gi << "          " << running(r) << " = " << (guarded ? "" : "active ? ") << "a[" << r.k << "]"
+          << (guarded ? "" : " : " + running(r)) << ";\n";
       g << gi << "        }\n";
-      if (!pr.writes.empty()) g << gi << "        if (active) {\n";
+      if (!pr.writes.empty() && !guarded) g << gi << "        if (active) {\n";
       for (int r : pr.writes) {
         if (var[static_cast<size_t>(r)].stochastic)
           g << gi << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
@@ -356,7 +364,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         else
           g << gi << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
       }
-      if (!pr.writes.empty()) g << gi << "        }\n";
+      if (!pr.writes.empty() && !guarded) g << gi << "        }\n";
       g << gi << "      }\n";
       for (const PhaseReduction& r : reds)
         if (r.scope == Scope::Row)
@@ -367,8 +375,11 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       g << gi << "    }\n";  // the rows
       return g.str();
     };
-    o << ind << "    if (rg + " + U + " <= rows) {\n" << rows_group(true, ind + "  ") << ind << "    } else {\n"
-      << rows_group(false, ind + "  ") << ind << "    }\n";
+    if (pr.writes.empty() && !row_reds)
+      o << ind << "    if (rg + " + U + " <= rows) {\n" << rows_group(Group::Full, ind + "  ") << ind << "    } else {\n"
+        << rows_group(Group::Tail, ind + "  ") << ind << "    }\n";
+    else
+      o << rows_group(Group::Guarded, ind);
     o << ind << "  }\n";
     for (const PhaseReduction& r : reds)
       if (r.scope == Scope::Col)
