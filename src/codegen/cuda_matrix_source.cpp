@@ -277,26 +277,30 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     // rows whose loads are issued together (fewer where the loop also stores: registers; more where
     // it reads one role only, for as many bytes in flight)
     const std::string U = W == 1 ? "OF_MUNROLL1" : !pr.writes.empty() ? "OF_MUNROLL4W" : pr.reads.size() == 1 ? "OF_MUNROLL4R1" : "OF_MUNROLL4";
+    // A reduce pass without row sums runs branch-free row groups: Full, a group of whole rows'
+    // loads and math with no branch between them (a load behind a branch is issued where its value
+    // is used: a latency per row); Tail, the chunk's last group of fewer rows, which loads its last
+    // row again in their place and stops at the chunk's end. Its threads past the view's last
+    // column leave the tile (no row sums to take part in). Other passes run Guarded groups: they
+    // load only their own rows and columns and branch around the math of threads past the last
+    // column, which take part in the row sums' shuffles. On the H200 branch-free groups took
+    // Adafactor's 4-byte pass from 89% to 96.6% of its floor, but made its passes with row sums or
+    // stores 3-5% slower (docs/performance.md).
+    const bool branch_free = pr.writes.empty() && !row_reds;
     o << ind << "for (long long tile = 0; tile < C; tile += " << W << "LL * OF_THREADS) {\n"
-      << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n"
-      << ind << "  const bool active = c0 < C;\n"
-      // Every load is unconditional, of a valid address: threads past the view's last column load
-      // its last columns, and rows past the chunk's end its last row, values they never use. A
-      // load behind a branch is issued where its value is used: a latency per row (or per element).
-      << ind << "  const long long cl = active ? c0 : C - " << W << ";  // the column loads read\n";
+      << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n";
+    if (branch_free) o << ind << "  if (c0 >= C) continue;  // past the view's last column\n";
+    else o << ind << "  const bool active = c0 < C;\n";
     if (plan.layout.col_values > 0)
-      o << ind << "  float colv[" << W << "][OF_COL_VALUES_ARRAY];\n"
-        << ind << "  for (int w = 0; w < " << W << "; ++w)\n"
-        << ind << "    for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + cl + w) * OF_COL_VALUES + q];\n";
+    {
+      const std::string ci = branch_free ? ind : ind + "  ";  // the loads' indentation
+      o << ind << "  float colv[" << W << "][OF_COL_VALUES_ARRAY];\n";
+      if (!branch_free) o << ind << "  if (active)\n";
+      o << ci << "  for (int w = 0; w < " << W << "; ++w)\n"
+        << ci << "    for (int q = 0; q < OF_COL_VALUES; ++q) colv[w][q] = mt.col_val[(col0 + c0 + w) * OF_COL_VALUES + q];\n";
+    }
     if (col_reds) o << ind << "  double cacc[" << W << "][OF_COL_REDS_ARRAY] = {};\n";
     o << ind << "  for (int rg = 0; rg < rows; rg += " + U + ") {\n";
-    // How a group of U rows runs. Full: a reduce pass without row sums runs a group of whole rows'
-    // loads and math with no branch between them (a load past a branch is issued where its value
-    // is used: a latency per row), Tail: the chunk's last group of fewer rows loads its last row
-    // again in their place and stops at the chunk's end; Guarded: other passes load only their
-    // rows and columns and branch around the math of threads past the last column. On the H200 the
-    // first two took Adafactor's 4-byte pass from 89% to 96.6% of its floor, but made its passes with
-    // row sums or stores 3-5% slower (docs/performance.md).
     enum class Group { Full, Tail, Guarded };
     auto rows_group = [&](Group mode, const std::string& gi) {
       const bool full = mode == Group::Full, guarded = mode == Group::Guarded;
@@ -312,7 +316,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
           << li << "      const long long e = (long long)lr * C + c0;\n";
       else
         g << gi << (full ? "      const int lr = rg + k;\n" : "      const int lr = min(rg + k, rows - 1);  // the row loads read\n")
-          << gi << "      const long long e = (long long)lr * C + cl;\n";
+          << gi << "      const long long e = (long long)lr * C + c0;\n";
       for (int r : pr.reads) {
         if (W == 4)
           g << li << "      of_load4<" << dt(r) << ">(" << nm(r) << "_p + e, in" << r << "[k]);\n";
@@ -328,9 +332,7 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       if (!full) g << gi << "      if (r >= rows) break;  // (uniform over the block)\n";
       g << gi << "      const long long e = (long long)r * C + c0;\n" << gi << "      (void)e;\n";
       if (row_reds) g << gi << "      double rowpart[OF_ROW_REDS_ARRAY] = {};\n";
-      // Threads past the view's last column compute on what they loaded but keep none of it (their
-      // sums stay as they were; they store nothing): no branch per element, and they take part in
-      // the row sums' shuffles.
+      // Guarded: threads past the view's last column do nothing but take part in the row sums' shuffles.
       g << gi << (guarded ? "      if (active) {\n" : "      {\n");
       if (plan.layout.row_values > 0) g << gi << "        for (int q = 0; q < OF_ROW_VALUES; ++q) u[OF_ROW_U + q] = rowv[k][q];\n";
       for (int r : pr.writes) g << gi << "        float out" << r << "[" << W << "];\n";
@@ -351,10 +353,8 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       g << gi << "          of_phase" << i << "_element(v, u, a);\n";
       for (int r : pr.writes) g << gi << "          out" << r << "[w] = v[" << r << "];\n";
       for (const PhaseReduction& r : reds)
-        g << gi << "          " << running(r) << " = " << (guarded ? "" : "active ? ") << "a[" << r.k << "]"
-          << (guarded ? "" : " : " + running(r)) << ";\n";
+        g << gi << "          " << running(r) << " = a[" << r.k << "];\n";
       g << gi << "        }\n";
-      if (!pr.writes.empty() && !guarded) g << gi << "        if (active) {\n";
       for (int r : pr.writes) {
         if (var[static_cast<size_t>(r)].stochastic)
           g << gi << "        for (int w = 0; w < " << W << "; ++w) of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + e + w, out" << r
@@ -364,7 +364,6 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
         else
           g << gi << "        of_store1<" << dt(r) << ">(" << nm(r) << "_p + e, out" << r << "[0]);\n";
       }
-      if (!pr.writes.empty() && !guarded) g << gi << "        }\n";
       g << gi << "      }\n";
       for (const PhaseReduction& r : reds)
         if (r.scope == Scope::Row)
@@ -375,17 +374,20 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
       g << gi << "    }\n";  // the rows
       return g.str();
     };
-    if (pr.writes.empty() && !row_reds)
+    if (branch_free)
       o << ind << "    if (rg + " + U + " <= rows) {\n" << rows_group(Group::Full, ind + "  ") << ind << "    } else {\n"
         << rows_group(Group::Tail, ind + "  ") << ind << "    }\n";
     else
       o << rows_group(Group::Guarded, ind);
     o << ind << "  }\n";
     for (const PhaseReduction& r : reds)
-      if (r.scope == Scope::Col)
-        o << ind << "  if (active)\n" << ind << "    for (int w = 0; w < " << W << "; ++w)\n"
-          << ind << "      mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c0 + w) * OF_COL_REDS + " << r.slot << "] = "
+      if (r.scope == Scope::Col) {
+        const std::string ci = branch_free ? ind : ind + "  ";  // (branch-free: every thread here is active)
+        if (!branch_free) o << ind << "  if (active)\n";
+        o << ci << "  for (int w = 0; w < " << W << "; ++w)\n"
+          << ci << "    mt.col_part[(m.colpart_offset + chunk_in_tensor * C + c0 + w) * OF_COL_REDS + " << r.slot << "] = "
           << flag("cacc[w][" + std::to_string(r.slot) + "]", r.any) << ";\n";
+      }
     if (row_reds)
       o << ind << "  __syncthreads();\n"
         << ind << "  for (int x = threadIdx.x; x < OF_ROW_REDS * rows; x += OF_THREADS) {\n"
