@@ -3,7 +3,6 @@ with the bytes each pass moves and its fraction of the copy bandwidth: which pas
 
   python3 dev/kernel_times.py --optimizer Adafactor --workload llama-1b [--steps 10]
 """
-import argparse
 import os
 import re
 import sys
@@ -16,7 +15,7 @@ from optimizers_vs_torch import OPTIMIZERS  # noqa: E402
 from training_loop import copy_bandwidth  # noqa: E402
 
 import optfuse  # noqa: E402
-import optfuse.torch as oft  # noqa: E402
+from step_loop import optimizer_on, parse_args  # noqa: E402
 
 
 def pass_bytes(spec):
@@ -25,19 +24,11 @@ def pass_bytes(spec):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--optimizer", default="Adafactor")
-    ap.add_argument("--workload", default="llama-1b")
-    ap.add_argument("--steps", type=int, default=10)
-    a = ap.parse_args()
-    spec, kw = OPTIMIZERS[a.optimizer]
-    shapes = workload_shapes.shapes(a.workload)
-    n = sum(torch.Size(s).numel() for s in shapes)
+    a = parse_args(workload="llama-1b", steps=10)
+    spec, _ = OPTIMIZERS[a.optimizer]
+    n = sum(torch.Size(s).numel() for s in workload_shapes.shapes(a.workload))
     bw = copy_bandwidth(n)
-    params = [torch.randn(s, device="cuda") for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-2
-    opt = getattr(oft, a.optimizer)(params, **kw)
+    opt, _ = optimizer_on(a.optimizer, a.workload)
     for _ in range(3):
         opt.step()
     torch.cuda.synchronize()

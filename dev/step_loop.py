@@ -17,17 +17,28 @@ from optimizers_vs_torch import OPTIMIZERS  # noqa: E402
 import optfuse.torch as oft  # noqa: E402
 
 
-def main():
+def parse_args(workload="gpt2-small", steps=5):
+    """--optimizer, --workload, --steps: the arguments of this script and of dev/kernel_times.py."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--optimizer", default="Adafactor")
-    ap.add_argument("--workload", default="gpt2-small")
-    ap.add_argument("--steps", type=int, default=5)
-    a = ap.parse_args()
-    _, kw = OPTIMIZERS[a.optimizer]
-    params = [torch.randn(s, device="cuda") for s in workload_shapes.shapes(a.workload)]
+    ap.add_argument("--workload", default=workload)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap.parse_args()
+
+
+def optimizer_on(name, workload):
+    """The optfuse.torch optimizer `name` (bench/optimizers_vs_torch.py's arguments) over the
+    workload's parameters on the GPU, each with a gradient."""
+    _, kw = OPTIMIZERS[name]
+    params = [torch.randn(s, device="cuda") for s in workload_shapes.shapes(workload)]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-2
-    opt = getattr(oft, a.optimizer)(params, **kw)
+    return getattr(oft, name)(params, **kw), params
+
+
+def main():
+    a = parse_args()
+    opt, _ = optimizer_on(a.optimizer, a.workload)
     for _ in range(a.steps):
         opt.step()
     torch.cuda.synchronize()
