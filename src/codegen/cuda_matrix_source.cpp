@@ -284,8 +284,8 @@ std::string cuda_matrix_chunk_function(const Plan& plan, size_t i, size_t k, con
     // column leave the tile (no row sums to take part in). Other passes run Guarded groups: they
     // load only their own rows and columns and branch around the math of threads past the last
     // column, which take part in the row sums' shuffles. On the H200 branch-free groups took
-    // Adafactor's 4-byte pass from 89% to 96.6% of its floor, but made its passes with row sums or
-    // stores 3-5% slower (docs/performance.md).
+    // Adafactor's 4-byte pass on llama-1b from 89.0% to 99.5% of its floor, but made its passes
+    // with row sums or stores 3-5% slower (docs/performance.md).
     const bool branch_free = pr.writes.empty() && !row_reds;
     o << ind << "for (long long tile = 0; tile < C; tile += " << W << "LL * OF_THREADS) {\n"
       << ind << "  const long long c0 = tile + " << W << "LL * threadIdx.x;\n";
