@@ -4,7 +4,8 @@
 //   extern "C" __global__ void of_phase<i>(const OfTensor* tensors, const OfChunk* chunks,
 //       long long num_chunks, double* table, int groups, double* partials,
 //       double* tensor_reductions, int num_tensors, const OfHyperSource* sources,
-//       const float* grad_scale, const float* found_inf, unsigned* done_count)
+//       const float* grad_scale, const float* found_inf, unsigned* done_count, int combine_here
+//       [, OfMatrixTables mt])   (done_count: cuda_pass_counters() counters)
 //
 //   1. Uniforms, per block. Every block evaluates every group's uniform values (of_phase<i>_scalars,
 //      float64) into dynamic shared memory: hyperparameters from the table or, where a group's
@@ -13,7 +14,8 @@
 //      graph) is seen by this step; grad_scale / found_inf from device memory; reductions of
 //      earlier phases from the table. The step count is read, never written, here: every block sees
 //      the same count, and the work is a few double operations per group (no second launch).
-//   2. Elements. Blocks walk the chunk list grid-stride. Per chunk: the group's derived values go
+//   2. Elements. Blocks walk the chunk list grid-stride (OF_DYNAMIC_CHUNKS: each block's first chunk
+//      is its own, the rest taken from a counter as blocks get to them). Per chunk: the group's derived values go
 //      to registers as float, then the tensor's values (of_phase<i>_tensor, float64 from the group's
 //      derived values and the tensor's row of tensor_reductions), skipped groups are passed over
 //      (update phase), and the chunk loop of the tensor's storage variant (each role's dtype and
@@ -432,9 +434,16 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     << cuda_uniform_prologue(plan, i)
     << "  if ((long long)blockIdx.x < num_chunks) {\n"
     << "  OfChunk ch = chunks[blockIdx.x];\n"
+    << "#if OF_DYNAMIC_CHUNKS\n"
+    << "  __shared__ long long of_next_chunk;\n"
+    << "  for (long long c = blockIdx.x; c < num_chunks;) {\n"
+    << "    // The next chunk is taken while this one runs (read after the chunk's work).\n"
+    << "    if (threadIdx.x == 0) of_next_chunk = (long long)gridDim.x + atomicAdd(done_count + 1, 1u);\n"
+    << "#else\n"
     << "  for (long long c = blockIdx.x; c < num_chunks; c += gridDim.x) {\n"
     << "    // The next chunk's descriptor is fetched while this one runs.\n"
     << "    const OfChunk next = c + gridDim.x < num_chunks ? chunks[c + gridDim.x] : ch;\n"
+    << "#endif\n"
     << "    const OfTensor& t = tensors[ch.tensor];\n"
     << "    void* const grad = ((void* const*)(tensors + num_tensors))[ch.tensor];  // the table's gradient tail\n"
     << "    const double* uni = of_uniform + (long long)t.group * OF_UNIFORM;\n"
@@ -477,7 +486,16 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
       << "      if (threadIdx.x == 0) partials[" << plan.reduction_index(ph.reductions[k]) << "LL * num_chunks + c] = "
       << (any ? "total != 0.0 ? 1.0 : 0.0" : "total") << ";\n    }\n";
   }
-  s << "    }\n    ch = next;\n  }\n  }\n";
+  s << "    }\n"
+    << "#if OF_DYNAMIC_CHUNKS\n"
+    << "    __syncthreads();  // of_next_chunk written\n"
+    << "    c = of_next_chunk;\n"
+    << "    __syncthreads();  // and read by every thread before thread 0 takes another\n"
+    << "    if (c < num_chunks) ch = chunks[c];\n"
+    << "#else\n"
+    << "    ch = next;\n"
+    << "#endif\n"
+    << "  }\n  }\n";
   // The last block: every other block has finished (their partials are visible after the fence).
   s << "  __syncthreads();\n"
     << "  if (threadIdx.x == 0) {\n"
@@ -496,7 +514,7 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
       << "    of_phase" << i << "_group(table, groups, g, sources, globals, table + derived_at + (long long)g * OF_DERIVED, "
       << "table + of_skip_offset(groups) + g, table + steps_at + g"
       << (ustates ? ", table + of_ustate_offset(groups) + (long long)g * OF_USTATES" : "") << ");\n";
-  s << "  if (threadIdx.x == 0) *done_count = 0u;  // ready for the next launch (or graph replay)\n"
+  s << "  if (threadIdx.x == 0) { done_count[0] = 0u; done_count[1] = 0u; }  // ready for the next launch (or graph replay)\n"
     << "  (void)partials; (void)scratch; (void)tensor_reductions; (void)num_tensors; (void)combine_here;\n}\n";
   if (nred > 0)  // the Combine step of a sharded step: one block over every rank's partials
     s << "\nextern \"C\" __global__ void __launch_bounds__(OF_THREADS) of_combine" << i
@@ -544,6 +562,10 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     << "#ifndef OF_MIN_BLOCKS\n#define OF_MIN_BLOCKS 3\n#endif\n"
     << "#ifndef OF_MIN_BLOCKS_SR\n#define OF_MIN_BLOCKS_SR 4\n#endif\n"
     << "#ifndef OF_CACHE_HINTS\n#define OF_CACHE_HINTS 0\n#endif\n"
+    // 1: a block takes its next chunk from a device counter when it starts one (an atomic per
+    // chunk), not blockIdx.x + k * gridDim.x: no block sits idle while another has chunks left.
+    // Each chunk's partials keep their slot, so the sums are the same either way.
+    << "#ifndef OF_DYNAMIC_CHUNKS\n#define OF_DYNAMIC_CHUNKS 0\n#endif\n"
     << pr.common_source() << abi_source() << layout_source(plan) << kCudaDriverPrelude;
   if (plan.matrix()) s << cuda_matrix_prelude();
   for (size_t i = 0; i < plan.phases.size(); ++i) {
@@ -560,6 +582,8 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
 }
 
 int cuda_block_threads() { return kThreads; }
+
+int cuda_pass_counters() { return 2; }
 
 size_t cuda_uniform_shared_bytes(const Plan& plan, int groups) {
   return static_cast<size_t>(groups) * static_cast<size_t>(plan.layout.derived_per_group + 1) * sizeof(double);

@@ -25,5 +25,9 @@ int cuda_block_threads();
 std::string cuda_uniform_prologue(const Plan& plan, size_t phase);
 // Dynamic shared memory every kernel needs for `groups` groups (their uniform values and skip flags).
 size_t cuda_uniform_shared_bytes(const Plan& plan, int groups);
+// Device counters each pass kernel takes (its `done_count` argument), zero before its first launch
+// and left zero by its last block: [0] the blocks finished, [1] the chunks handed out past each
+// block's first (OF_DYNAMIC_CHUNKS).
+int cuda_pass_counters();
 
 }  // namespace optfuse

@@ -233,8 +233,9 @@ class CudaExecutor : public Executor {
     threads_ = cuda_block_threads();
     device_ = cuda::current_device();
     compile();
-    // One completion counter per phase (the last block resets its own), zeroed once.
-    counters_ = cuda::DeviceBuffer::ordered(std::max<size_t>(plan_.phases.size(), 1) * sizeof(unsigned), stream_);
+    // Each phase's counters (cuda_pass_counters(); its last block resets them), zeroed once.
+    counters_ = cuda::DeviceBuffer::ordered(
+        std::max<size_t>(plan_.phases.size(), 1) * static_cast<size_t>(cuda_pass_counters()) * sizeof(unsigned), stream_);
     cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
   }
   // Every buffer's free is queued on the stream of the last step (stream-ordered memory, see
@@ -543,7 +544,7 @@ class CudaExecutor : public Executor {
     for (const ScheduleStep& st : plan_.schedule) {
       const size_t i = static_cast<size_t>(st.phase);
       if (st.kind == ScheduleStep::Kind::Pass) {
-        CUdeviceptr counter = counters_.ptr() + i * sizeof(unsigned);
+        CUdeviceptr counter = counters_.ptr() + i * static_cast<size_t>(cuda_pass_counters()) * sizeof(unsigned);
         void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
                         &sources, &grad_scale, &found_inf, &counter, &combine_here, &matrix_tables_};  // (the last: matrix plans)
         cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
