@@ -27,7 +27,7 @@ std::string cuda_uniform_prologue(const Plan& plan, size_t phase);
 size_t cuda_uniform_shared_bytes(const Plan& plan, int groups);
 // Device counters each pass kernel takes (its `done_count` argument), zero before its first launch
 // and left zero by its last block: [0] the blocks finished, [1] the chunks handed out past each
-// block's first (OF_DYNAMIC_CHUNKS).
+// block's first.
 int cuda_pass_counters();
 
 }  // namespace optfuse
