@@ -71,9 +71,11 @@ struct ElementPhase {
   int writes() const;
 };
 
-// The one definition of the scalar table's layout: the host executors and the interpreter read
-// offsets from it, and the CUDA driver's offset functions are printed from it (scalar_layout_source
-// in codegen/abi.h), so both sides cannot drift apart. Every area's offset is a + b * groups.
+// The one definition of the plan's layout: the scalar table's areas and the slot counts of the
+// per-tensor, per-row and per-column tables. The host executors and the interpreter read offsets
+// from it, and every dialect's generated source prints its counts and offset functions from it
+// (layout_source in codegen/abi.h), so the two sides cannot drift apart. Every area's offset in the
+// scalar table is a + b * groups.
 struct ScalarLayout {
   int hypers_per_group = 0, derived_per_group = 0, reductions = 0;  // reductions: global scope
   int uniform_states_per_group = 0;  // uniform states (Program::uniform_states), committed like steps
