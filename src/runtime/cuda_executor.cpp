@@ -37,6 +37,8 @@ namespace optfuse {
 namespace {
 
 const int32_t kChunkElems = chunk_elements(Backend::cuda);  // why this size: chunk_elements()
+// Bytes of one pass kernel's counters (its done_count argument).
+const size_t kPassCounterBytes = static_cast<size_t>(cuda_pass_counters()) * sizeof(unsigned);
 
 // A matrix plan's chunk budget: cuda_matrix_chunk_elements(), or, as a tuning knob for benchmarks,
 // OPTFUSE_CUDA_MATRIX_CHUNK_ELEMENTS (1024 to that default; chunks still hold at most OF_MROWS rows).
@@ -234,8 +236,7 @@ class CudaExecutor : public Executor {
     device_ = cuda::current_device();
     compile();
     // Each phase's counters (cuda_pass_counters(); its last block resets them), zeroed once.
-    counters_ = cuda::DeviceBuffer::ordered(
-        std::max<size_t>(plan_.phases.size(), 1) * static_cast<size_t>(cuda_pass_counters()) * sizeof(unsigned), stream_);
+    counters_ = cuda::DeviceBuffer::ordered(std::max<size_t>(plan_.phases.size(), 1) * kPassCounterBytes, stream_);
     cuda::memset_zero(counters_.ptr(), counters_.size(), stream_);
   }
   // Every buffer's free is queued on the stream of the last step (stream-ordered memory, see
@@ -544,7 +545,7 @@ class CudaExecutor : public Executor {
     for (const ScheduleStep& st : plan_.schedule) {
       const size_t i = static_cast<size_t>(st.phase);
       if (st.kind == ScheduleStep::Kind::Pass) {
-        CUdeviceptr counter = counters_.ptr() + i * static_cast<size_t>(cuda_pass_counters()) * sizeof(unsigned);
+        CUdeviceptr counter = counters_.ptr() + i * kPassCounterBytes;
         void* args[] = {&tensors, &chunks, &n, &table, &groups, &partials, &tensor_reductions, &num_tensors,
                         &sources, &grad_scale, &found_inf, &counter, &combine_here, &matrix_tables_};  // (the last: matrix plans)
         cuda::launch(fns_[i], grid_[i], static_cast<unsigned>(threads_), shared_bytes_, s, args);
