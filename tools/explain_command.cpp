@@ -1,5 +1,6 @@
-// optfuse explain SPEC: the IR after passes, the plan and the generated source, so that people
-// can read what their chain turns into.
+// optfuse explain SPEC: the chain, its passes, the IR after them and the plan (phases, bytes per
+// element, step schedule), so that people can read what their chain turns into; the generated
+// source with --source, or the source alone with --source-only (to compile or diff it).
 #include <cstdio>
 #include <iostream>
 
@@ -15,12 +16,22 @@
 namespace optfuse::cli {
 
 int explain_command(const Argv& args) {
-  Options o = parse_options(args, {"backend", "arch"}, {"compile", "no-source"});
+  // --no-source was the way to leave the source out before that became the default; still accepted.
+  Options o = parse_options(args, {"backend", "arch"}, {"compile", "source", "source-only", "no-source"});
   if (o.positional.size() != 1) throw Error("explain takes one SPEC, e.g. optfuse explain \"adamw(lr=1e-3)\"");
   std::string backend = o.get("backend", "cpu");
   if (backend != "cpu" && backend != "cuda") throw Error("explain --backend must be cpu or cuda");
+  const bool source = o.flag("source"), source_only = o.flag("source-only");
+  if (o.flag("no-source") && (source || source_only)) throw Error("--no-source contradicts --source/--source-only");
+  if (source_only && (source || o.flag("compile")))
+    throw Error("--source-only prints the generated source alone: it takes neither --source nor --compile");
   const Chain chain = parse_chain(o.positional[0]);
-  std::cout << explain_text(chain, backend, !o.flag("no-source"));
+  if (source_only) {
+    std::cout << explain_source(chain, backend);
+    return 0;
+  }
+  std::cout << explain_text(chain, backend, source);
+  if (!source) std::cout << "\n(the generated " << backend << " source: add --source, or --source-only for it alone)\n";
   if (o.flag("compile")) {
     if (backend != "cuda") throw Error("--compile is for --backend cuda (the CPU source is compiled on first use)");
     int arch = std::stoi(o.get("arch", "90"));

@@ -11,19 +11,26 @@ namespace optfuse {
 
 namespace {
 
-std::string plan_text(const Plan& plan, const std::string& backend, bool source) {
-  std::string src;
+void check_backend(const std::string& backend) {
+  if (backend != "cpu" && backend != "cuda") throw Error("explain: backend must be 'cpu' or 'cuda', got '" + backend + "'");
+}
+
+// The plan's generated source; `none_prefix` starts the line that says a matrix plan has none yet.
+std::string source_text(const Plan& plan, const std::string& backend, const char* none_prefix) {
   try {
-    src = backend == "cuda" ? generate_cuda_source(plan) : generate_cpu_source(plan);
+    return backend == "cuda" ? generate_cuda_source(plan) : generate_cpu_source(plan);
   } catch (const Error& e) {
     if (!plan.matrix()) throw;
-    src = std::string("(none: ") + e.what() + ")\n";  // no generated loop for this plan yet: say so
+    return std::string(none_prefix) + "(none: " + e.what() + ")\n";  // no generated loop for this plan yet: say so
   }
+}
+
+std::string plan_text(const Plan& plan, const std::string& backend, bool source) {
   std::ostringstream o;
   o << "== chain\n" << plan.program.chain_text << "\n\n== passes\n";
   for (const auto& line : plan.pass_log) o << "  " << line << "\n";
   o << "\n== IR after passes\n" << print_ir(plan.program, &plan.kind) << "\n== plan\n" << plan.describe();
-  if (source) o << "\n== generated " << backend << " source\n" << src;
+  if (source) o << "\n== generated " << backend << " source\n" << source_text(plan, backend, "");
   return o.str();
 }
 
@@ -42,8 +49,19 @@ std::vector<Plan> explain_plans(const Chain& chain) {
   return part_plans(split_matrix_chain(chain));
 }
 
+std::string explain_source(const Chain& chain, const std::string& backend) {
+  check_backend(backend);
+  if (!has_matrix_phase(chain)) return source_text(make_plan(chain), backend, "// ");
+  const std::vector<Plan> plans = explain_plans(chain);
+  std::ostringstream o;
+  for (size_t i = 0; i < plans.size(); ++i)
+    o << (i ? "\n" : "") << "// ######## part " << i + 1 << " of " << plans.size()
+      << " (the matrix phase runs between them)\n" << source_text(plans[i], backend, "// ");
+  return o.str();
+}
+
 std::string explain_text(const Chain& chain, const std::string& backend, bool source) {
-  if (backend != "cpu" && backend != "cuda") throw Error("explain: backend must be 'cpu' or 'cuda', got '" + backend + "'");
+  check_backend(backend);
   if (!has_matrix_phase(chain)) return plan_text(make_plan(chain), backend, source);
   const MatrixChainParts parts = split_matrix_chain(chain);
   const std::vector<Plan> plans = part_plans(parts);

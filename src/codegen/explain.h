@@ -12,6 +12,10 @@ namespace optfuse {
 
 // backend: "cpu" or "cuda" (the generated source's dialect).
 std::string explain_text(const Chain& chain, const std::string& backend, bool source);
+// The generated source alone (`optfuse explain --source-only`): for a chain with a matrix phase, part
+// 1's then part 2's, each after a comment line naming it; a part with no generated loop yet is a
+// comment saying why.
+std::string explain_source(const Chain& chain, const std::string& backend);
 // The plans a chain runs as: one, or a matrix chain's two parts (part 1 checked).
 std::vector<Plan> explain_plans(const Chain& chain);
 

@@ -62,7 +62,7 @@ grep -E '^(== plan|OK:)' "$work/custom_rule.out"
 grep -q 'exp_avg_var_new' "$work/custom_rule.out" || { echo "FAIL: explain output lacks the rule's names"; exit 1; }
 
 step "run the installed optfuse program"
-"$work/prefix/bin/optfuse" explain "chain(clip_by_global_norm(1.0), adamw())" --no-source | grep 'total bytes per element'
+"$work/prefix/bin/optfuse" explain "chain(clip_by_global_norm(1.0), adamw())" | grep 'total bytes per element'
 "$work/prefix/bin/optfuse" check "adamw(lr=1e-2)" --steps 3 | tail -1
 
 echo
