@@ -8,17 +8,21 @@ cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 scripts/setup.sh
 scripts/build.sh
-ctest --test-dir build --output-on-failure -j"$(nproc)"
+# scripts/ctest.sh: ctest, then each skipped test with the reason it gave (ctest alone prints
+# only "***Skipped").
+scripts/ctest.sh --test-dir build --output-on-failure -j"$(nproc)"
 # The C++ suites again, built with AddressSanitizer (+LeakSanitizer) and UndefinedBehaviorSanitizer
-# in build-asan, optimised with debug info so that the suites stay fast (on 2 cores: build 8.5 min,
-# ctest 70 s). The kernels the CPU backend compiles at run time are not instrumented.
+# in build-asan, optimised with debug info so that the suites stay fast (still, on 2 cores the build
+# and the suites each take minutes). The kernels the CPU backend compiles at run time are not
+# instrumented.
 # protect_shadow_gap=0: the CUDA driver maps memory where ASan reserves its shadow gap, so on a GPU
 # host cuInit fails (CUDA_ERROR_OUT_OF_MEMORY) and the GPU tests would skip; with it they run
 # (checked on an H200). Without a GPU it changes nothing.
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOPTFUSE_SANITIZE=address,undefined >/dev/null
 cmake --build build-asan
 ASAN_OPTIONS=detect_leaks=1:protect_shadow_gap=0 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  ctest --test-dir build-asan --output-on-failure -j"$(nproc)"
+  scripts/ctest.sh --test-dir build-asan --output-on-failure -j"$(nproc)"
 tests/install/run_install_test.sh
 python3 -m pip install -q --no-build-isolation .
-python3 -m pytest -q tests/python
+# -rs: every skipped test with its reason in the summary.
+python3 -m pytest -q -rs tests/python

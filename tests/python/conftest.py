@@ -6,6 +6,26 @@ import pytest
 torch = pytest.importorskip("torch")
 
 HAS_CUDA = torch.cuda.is_available()
+
+# A test's one-line summary for the end of the run (e.g. "optim_db Adam on cpu: 40 configurations, 40
+# passed"): `record_property(SUMMARY, text)`. pytest_terminal_summary below prints them all after the
+# progress dots and the -rs lines, in the order the tests ran, so they never break up the progress.
+SUMMARY = "summary"
+_summaries = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        _summaries.extend(v for k, v in report.user_properties if k == SUMMARY)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _summaries:
+        terminalreporter.section("summaries")
+        for text in _summaries:
+            terminalreporter.write_line(text)
+
+
 NO_CUDA_REASON = "CUDA is not available here (torch.cuda.is_available() is False): CUDA cases need a GPU"
 
 

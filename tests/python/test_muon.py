@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import optfuse.torch as oft
-from conftest import HAS_CUDA, NO_CUDA_REASON, batch
+from conftest import HAS_CUDA, NO_CUDA_REASON, SUMMARY, batch
 from optfuse.torch._muon import _Bucket
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA_REASON)
@@ -110,7 +110,7 @@ common_optimizers = pytest.importorskip(
 MUON_INFO = next((i for i in common_optimizers.optim_db if i.optim_cls.__name__ == "Muon"), None)
 
 
-def test_grid_matches_torch(device, capsys):
+def test_grid_matches_torch(device, matrix_phase, record_property):
     """Every configuration of torch's optim_db grid for Muon, 10 steps, new gradients every step."""
     inputs = MUON_INFO.optim_inputs_func(device=device, dtype=torch.float32)
     assert len(inputs) >= 7  # the grid itself, not a remnant of it (7 configurations in torch 2.11, 8 in 2.15)
@@ -137,9 +137,9 @@ def test_grid_matches_torch(device, capsys):
         # the buffers see the gradients of parameters that may differ by `tol`: same bound, in units
         # of the gradient (a gradient entry here is at most ~1)
         assert bd <= tol / max_adjusted_lr(ref_model, kw.get("lr", 1e-3), kw.get("adjust_lr_fn")) * STEPS, lines[-1]
-    with capsys.disabled():
-        print(f"\noptim_db Muon on {device.type}: {len(inputs)} configurations, max |p_ours - p_torch| = {worst:.3g}")
-        print("\n".join(lines))
+    record_property(SUMMARY, f"optim_db Muon on {device.type} ({matrix_phase} matrix phase): {len(inputs)} "
+                    f"configurations, max |p_ours - p_torch| = {worst:.3g}")  # printed at the end (conftest)
+    print("\n".join(lines))  # captured: shown with -s or -rP
 
 
 def test_grid_error_inputs_refused_like_torch(device):

@@ -21,7 +21,7 @@ Besides each configuration as given, the implementation flags torch's grid cross
   exception type (none in this torch version's CPU grid).
 A configuration whose parameters torch's grid supplies itself (OptimizerInput.params) would be
 skipped with its reason printed; none of this torch version's has any. Every outcome is counted
-and printed per class (run with -s to see the table).
+in a line per class in the summaries at the end of the run (conftest.SUMMARY); -s shows the table.
 """
 import collections
 import copy
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 import optfuse.torch as oft
-from conftest import make_model, rel_diff, train
+from conftest import SUMMARY, make_model, rel_diff, train
 
 common_optimizers = pytest.importorskip(
     "torch.testing._internal.common_optimizers",
@@ -115,7 +115,7 @@ def _variants(info, kwargs, device):
 
 
 @pytest.mark.parametrize("info", INFOS, ids=[i.optim_cls.__name__ for i in INFOS])
-def test_optim_db_configurations_match_torch(info, device, capsys, record_property):
+def test_optim_db_configurations_match_torch(info, device, record_property):
     name = info.optim_cls.__name__
     ours_cls = getattr(oft, name)
     base_tol = CUDA_F32_TOL if device.type == "cuda" else F32_TOL
@@ -177,9 +177,7 @@ def test_optim_db_configurations_match_torch(info, device, capsys, record_proper
                 lines.append(f"  PASS {label}: {d:.2g} (moved {moved:.2g})")
     summary = (f"optim_db {name} on {device.type}: {len(inputs)} configurations, "
                + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
-    record_property("optim_db_counts", summary)
-    with capsys.disabled():
-        print("\n" + summary)
+    record_property(SUMMARY, summary)  # printed after the run by conftest's terminal summary
     print("\n".join(lines))  # captured: shown with -s or -rP
     assert not failures, "\n".join(failures)
     # every configuration of torch's grid, as given, is one of the passes
@@ -193,7 +191,7 @@ def _error_params(inp, device):
 
 
 @pytest.mark.parametrize("info", INFOS, ids=[i.optim_cls.__name__ for i in INFOS])
-def test_optim_db_error_inputs_are_refused_like_torch(info, device, capsys):
+def test_optim_db_error_inputs_are_refused_like_torch(info, device, record_property):
     """torch's grid of invalid constructor inputs: optfuse raises (or warns) what torch does."""
     name = info.optim_cls.__name__
     ours_cls = getattr(oft, name)
@@ -220,7 +218,6 @@ def test_optim_db_error_inputs_are_refused_like_torch(info, device, capsys):
             with ctx:
                 opt.step()
             counts["step error as torch"] += 1
-    with capsys.disabled():
-        print(f"\noptim_db errors {name} on {device.type}: {len(errors)} inputs, "
-              + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    record_property(SUMMARY, f"optim_db errors {name} on {device.type}: {len(errors)} inputs, "
+                    + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
     assert sum(counts.values()) == len(errors)
