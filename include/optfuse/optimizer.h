@@ -124,6 +124,10 @@ class Optimizer {
   // Sets every hyperparameter the name matches (short or qualified) for one group; validated
   // against the rule's range, nothing changes on error. Never recompiles.
   void set_hyper(int group, const std::string& name, double value);
+  // set_hyper without the range check: a value torch.optim accepts in param_groups between steps
+  // (NaN, inf, a negative lr: torch validates constructor arguments only, and steps with whatever a
+  // scheduler or the user sets later). The torch front end pushes group values through it.
+  void set_hyper_unchecked(int group, const std::string& name, double value);
   double hyper(int group, const std::string& name) const;
   // Reads the hyperparameter(s) `name` matches of `group` from `value` at every step, instead of the
   // last set_hyper value: a float32 or float64 scalar in device memory for Backend::cuda (read by

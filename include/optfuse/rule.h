@@ -72,6 +72,12 @@ struct NewtonSchulzOptions {
 
 class RuleBuilder;
 
+// Whether Rule::hyper checks a value against its range (on by default, per thread). The torch front
+// end turns it off while it builds a chain from param_groups: torch validates constructor arguments
+// only and steps with whatever is set there later (NaN, a negative lr...), and so does optfuse.
+bool hyper_range_checks();
+void set_hyper_range_checks(bool on);
+
 class Rule {
  public:
   using UpdateFn = std::function<Expr(RuleBuilder&)>;

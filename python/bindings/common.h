@@ -3,7 +3,9 @@
 #pragma once
 #include <nanobind/nanobind.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "optfuse/rule.h"
 
@@ -19,8 +21,12 @@ Chain to_chain(nb::handle h);
 
 // Expr, RuleBuilder, Range, Rule, chains and built-ins, plans and explain (rules.cpp).
 void bind_rules(nb::module_& m);
-// Optimizer and _GradWatch (optimizer.cpp).
+// Optimizer (optimizer.cpp).
 void bind_optimizer(nb::module_& m);
+// _TableWatch, the torch front end's per-step check of its tables against torch's tensors
+// (table_watch.cpp); watch_pointers: a watch's gradient pointers (Optimizer._take_grads reads them).
+void bind_table_watch(nb::module_& m);
+const std::vector<uint64_t>& watch_pointers(nb::handle watch);
 // _set_torch_exchange: torch.Tensor's DLPack C exchange API (dlpack_exchange.cpp).
 void bind_dlpack_exchange(nb::module_& m);
 // NewtonSchulz, the matrix phase, and gemm_available (matrix.cpp).

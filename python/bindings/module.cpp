@@ -4,9 +4,10 @@
 // tensor table for thousands of tensors does not pay a DLPack export per tensor.
 //
 // Files: module.cpp (this: the module, its errors), rules.cpp (Expr and RuleBuilder for rules
-// written in Python; Range, Rule, chains, built-ins; plans and explain), optimizer.cpp (Optimizer;
-// GradWatch, the per-step check of the torch front end), dlpack_exchange.cpp (torch.Tensor's DLPack
-// C exchange API, which GradWatch reads gradients through), matrix.cpp (NewtonSchulz, the matrix
+// written in Python; Range, Rule, chains, built-ins; plans and explain), optimizer.cpp (Optimizer),
+// table_watch.cpp (TableWatch, the torch front end's per-step check of its tables against torch's
+// tensors), dlpack_exchange.cpp (torch.Tensor's DLPack C exchange API, which TableWatch reads
+// tensors through), matrix.cpp (NewtonSchulz, the matrix
 // phase of Muon).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -70,9 +71,27 @@ NB_MODULE(_core, m) {
 
   optfuse::py::bind_rules(m);
   optfuse::py::bind_optimizer(m);
+  optfuse::py::bind_table_watch(m);
   optfuse::py::bind_dlpack_exchange(m);
   optfuse::py::bind_matrix(m);
   m.def("chunk_elements", [](const std::string& backend) { return chunk_elements(parse_backend(backend)); }, "backend"_a,
         "Elements per chunk of a backend: the unit of partial sums, so of shard cuts.");
+  // A step's launch and its bookkeeping (step tensors advanced, host counters) as one C call: the
+  // interpreter checks for signals only between bytecodes, so a KeyboardInterrupt arrives before all
+  // of them or after all of them, never between (step() is atomic with respect to Ctrl-C).
+  m.def("_call_each", [](nb::handle calls) {
+    nb::object seq = nb::steal(PySequence_Fast(calls.ptr(), "_call_each: expected a sequence of (callable, args)"));
+    if (!seq.is_valid()) throw nb::python_error();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* fn = nullptr;
+      PyObject* args = nullptr;
+      if (!PyArg_ParseTuple(items[i], "OO!", &fn, &PyTuple_Type, &args)) throw nb::python_error();
+      PyObject* r = PyObject_Call(fn, args, nullptr);
+      if (!r) throw nb::python_error();
+      Py_DECREF(r);
+    }
+  }, "calls"_a, "Calls each (callable, args) in order within one C call (no bytecode runs between them).");
   m.def("parse_dtype", [](const std::string& s) { return static_cast<int>(parse_dtype(s)); }, "name"_a);
 }

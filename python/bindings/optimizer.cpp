@@ -1,4 +1,4 @@
-// The Optimizer binding (DLPack arrays or raw pointers from the torch front end) and GradWatch.
+// The Optimizer binding (DLPack arrays or raw pointers from the torch front end).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
@@ -209,9 +209,14 @@ class PyOptimizer {
     in.grad_scale = reinterpret_cast<const float*>(grad_scale);
     in.found_inf = reinterpret_cast<const float*>(found_inf);
     in.stream = reinterpret_cast<void*>(stream);
-    nb::gil_scoped_release release;
-    opt_->step(in);
+    {
+      nb::gil_scoped_release release;
+      opt_->step(in);
+    }
+    ++steps_taken_;  // (in the same C call as the launch: no KeyboardInterrupt between them)
   }
+
+  int64_t steps_taken() const { return steps_taken_; }
 
   int device_id() const { return device_id_; }
 
@@ -272,207 +277,8 @@ class PyOptimizer {
   nb::object name_data_ptr_;
   int device_id_ = -1;
   float scale_value_ = 1, inf_value_ = 0;
+  int64_t steps_taken_ = 0;  // _step_raw calls that returned (the torch front end's host step count)
 };
-
-// ---------------------------------------------------------------------------------------------
-// GradWatch: the torch front end's per-step question "are the gradients the tensors the table was
-// built from?", answered in C++ over the parameter objects.
-//   check() -> 0: every gradient is where it was (None stays None): nothing to do
-//              1: some gradients moved (new tensors after zero_grad + backward) but every parameter
-//                 that had a gradient still has one and none had one before; they are contiguous;
-//                 pointers() holds their data pointers
-//              2: the set of parameters with gradients changed, a gradient is not contiguous or
-//                 changed dtype, or a DTensor parameter has another local tensor: the caller
-//                 rebuilds (grads(), then snapshot()).
-// Two ways to read a gradient, chosen at construction:
-//  - torch.Tensor's DLPack C exchange API (dlpack_exchange.h; torch >= 2.10): every gradient's
-//    pointer, dtype and strides are read each step in one C call (~20 ns);
-//  - otherwise Python method calls (`is_contiguous()`, `data_ptr()`: ~120 ns each), made only for a
-//    gradient object that is not the one of last time (remembered through a weak reference: a strong
-//    one would keep freed gradients alive across zero_grad).
-
-class GradWatch {
- public:
-  // offsets: bytes added to each gradient's data pointer (ZeRO's pieces: a piece's gradient is its
-  // parameter's, `begin` elements in); none: 0. local_shard: per parameter, whether its gradient is
-  // a DTensor whose local tensor (`_local_tensor`, FSDP2's shard) is what the kernel reads; none: no.
-  GradWatch(std::vector<nb::object> params, std::vector<int64_t> offsets, std::vector<bool> local_shard)
-      : params_(std::move(params)), offsets_(std::move(offsets)), local_(std::move(local_shard)),
-        api_(dlpack_exchange::torch_api()) {
-    if (offsets_.empty()) offsets_.assign(params_.size(), 0);
-    if (local_.empty()) local_.assign(params_.size(), false);
-    if (offsets_.size() != params_.size() || local_.size() != params_.size())
-      throw Error("_GradWatch: one offset and one local_shard flag per parameter");
-    name_local_ = nb::steal(PyUnicode_InternFromString("_local_tensor"));
-    refs_.resize(params_.size());
-    ptrs_.assign(params_.size(), 0);
-    has_.assign(params_.size(), false);
-    dtypes_.assign(params_.size(), 0);
-    dtype_objs_.resize(params_.size());
-    name_dtype_ = nb::steal(PyUnicode_InternFromString("dtype"));
-    name_grad_ = nb::steal(PyUnicode_InternFromString("grad"));
-    name_data_ptr_ = nb::steal(PyUnicode_InternFromString("data_ptr"));
-    name_is_contiguous_ = nb::steal(PyUnicode_InternFromString("is_contiguous"));
-    snapshot();
-  }
-
-  int check() {
-    int result = 0;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (local_[i]) {  // FSDP2 re-pads a shard after e.g. model.load_state_dict(assign=True): rebuild
-        PyObject* lp = get_local(params_[i].ptr());
-        if (!lp) throw nb::python_error();
-        Py_DECREF(lp);  // (the parameter keeps it alive: only its identity is compared)
-        if (lp != param_locals_[i].ptr()) return 2;
-      }
-      PyObject* g = get_grad(params_[i].ptr());
-      if (!g) throw nb::python_error();
-      if (local_[i] && g != Py_None) {  // the DTensor gradient's local shard
-        PyObject* l = get_local(g);
-        Py_DECREF(g);
-        if (!l) throw nb::python_error();
-        g = l;
-      }
-      nb::object grad = nb::steal(g);
-      bool has = g != Py_None;
-      if (has != has_[i]) return 2;
-      if (!has) continue;
-      int r = api_ ? read_exchange(g, i) : read_methods(g, i);
-      if (r == 2) return 2;
-      result |= r;
-    }
-    return result;
-  }
-
-  // Records every parameter's current .grad; returns them (None where absent).
-  nb::list snapshot() {
-    nb::list out;
-    param_locals_.assign(params_.size(), nb::object());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (local_[i]) param_locals_[i] = params_[i].attr(name_local_);
-      nb::object grad = params_[i].attr(name_grad_);
-      if (local_[i] && !grad.is_none()) grad = grad.attr(name_local_);
-      has_[i] = !grad.is_none();
-      refs_[i] = has_[i] && !api_ ? weak(grad) : nb::object();  // (identity: the method-call path only)
-      ptrs_[i] = 0;
-      if (has_[i]) {
-        try {
-          ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)()) + static_cast<uint64_t>(offsets_[i]);
-        } catch (nb::python_error&) {  // e.g. a sparse gradient: the caller reports it by name
-        }
-        dtype_objs_[i] = nb::getattr(grad, name_dtype_, nb::none());
-        dlpack_exchange::Tensor t;
-        if (api_ && api_->dltensor_from_py_object_no_sync(grad.ptr(), &t) == 0)
-          dtypes_[i] = dtype_key(t);
-        else
-          PyErr_Clear();
-      }
-      out.append(grad);
-    }
-    return out;
-  }
-
-  const std::vector<uint64_t>& pointers() const { return ptrs_; }
-  size_t size() const { return params_.size(); }
-
- private:
-  // Gradient i (present, as last time) read through the exchange API: 0 where it is, 1 moved
-  // (pointers() updated), 2 its dtype changed or it is not contiguous. A tensor the API cannot
-  // describe (it sets a Python error) is read through the method calls instead.
-  int read_exchange(PyObject* g, size_t i) {
-    dlpack_exchange::Tensor t;
-    if (api_->dltensor_from_py_object_no_sync(g, &t) != 0) {
-      PyErr_Clear();
-      return read_methods(g, i);  // (with the API no identity is kept: it reads every time)
-    }
-    if (dtype_key(t) != dtypes_[i] || !dlpack_exchange::is_contiguous(t)) return 2;
-    const uint64_t ptr = reinterpret_cast<uint64_t>(t.data) + t.byte_offset + static_cast<uint64_t>(offsets_[i]);
-    if (ptr == ptrs_[i]) return 0;
-    ptrs_[i] = ptr;
-    return 1;
-  }
-
-  // Gradient i through Python method calls, made only when the object is not the one of last time:
-  // 0 the same object, 1 a new contiguous one (pointers() updated), 2 a new one that is not
-  // contiguous or has another dtype.
-  int read_methods(PyObject* g, size_t i) {
-    if (current(i) == g) return 0;
-    // (Vectorcall method calls: no bound-method objects.)
-    PyObject* contiguous = PyObject_CallMethodNoArgs(g, name_is_contiguous_.ptr());
-    if (!contiguous) throw nb::python_error();
-    const bool is_contiguous = contiguous == Py_True;
-    Py_DECREF(contiguous);
-    if (!is_contiguous) return 2;
-    PyObject* dtype = PyObject_GetAttr(g, name_dtype_.ptr());  // (torch's dtypes are singletons)
-    if (!dtype) throw nb::python_error();
-    Py_DECREF(dtype);
-    if (dtype != dtype_objs_[i].ptr()) return 2;  // e.g. param.grad_dtype changed
-    PyObject* ptr = PyObject_CallMethodNoArgs(g, name_data_ptr_.ptr());
-    if (!ptr) throw nb::python_error();
-    ptrs_[i] = PyLong_AsUnsignedLongLong(ptr) + static_cast<uint64_t>(offsets_[i]);
-    Py_DECREF(ptr);
-    if (PyErr_Occurred()) throw nb::python_error();
-    if (!api_) refs_[i] = weak(nb::handle(g));
-    return 1;
-  }
-
-  static uint32_t dtype_key(const dlpack_exchange::Tensor& t) {
-    return uint32_t{t.dtype.code} | uint32_t{t.dtype.bits} << 8 | uint32_t{t.dtype.lanes} << 16;
-  }
-
-  PyObject* current(size_t i) const {
-    if (!refs_[i].is_valid()) return nullptr;
-    PyObject* o = PyWeakref_GetObject(refs_[i].ptr());  // borrowed; Py_None once the grad is gone
-    return o == Py_None ? nullptr : o;
-  }
-  // p.grad through the type's getset descriptor, found once per parameter type: skips the generic
-  // attribute lookup, which is a fair share of the per-parameter cost here.
-  PyObject* get_grad(PyObject* p) {
-    PyTypeObject* t = Py_TYPE(p);
-    if (t != cached_type_) {
-      PyObject* d = _PyType_Lookup(t, name_grad_.ptr());  // borrowed
-      getter_ = nullptr;
-      if (d && Py_TYPE(d) == &PyGetSetDescr_Type) getter_ = reinterpret_cast<PyGetSetDescrObject*>(d)->d_getset;
-      cached_type_ = t;
-    }
-    if (getter_ && getter_->get) return getter_->get(p, getter_->closure);
-    return PyObject_GetAttr(p, name_grad_.ptr());
-  }
-
-  // x._local_tensor of a DTensor through its type's descriptor (a slot), found once per type.
-  PyObject* get_local(PyObject* x) {
-    PyTypeObject* t = Py_TYPE(x);
-    if (t != local_type_) {
-      local_descr_ = _PyType_Lookup(t, name_local_.ptr());  // borrowed (the type keeps it)
-      if (local_descr_ && !Py_TYPE(local_descr_)->tp_descr_get) local_descr_ = nullptr;
-      local_type_ = t;
-    }
-    if (local_descr_) return Py_TYPE(local_descr_)->tp_descr_get(local_descr_, x, reinterpret_cast<PyObject*>(t));
-    return PyObject_GetAttr(x, name_local_.ptr());
-  }
-
-  static nb::object weak(nb::handle h) {
-    PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
-    if (!w) throw nb::python_error();
-    return nb::steal(w);
-  }
-
-  std::vector<nb::object> params_, refs_;
-  std::vector<nb::object> param_locals_;  // per DTensor parameter: its local tensor at snapshot()
-  std::vector<int64_t> offsets_;
-  std::vector<bool> local_;
-  std::vector<uint64_t> ptrs_;
-  std::vector<bool> has_;
-  std::vector<uint32_t> dtypes_;  // per gradient, its DLPack dtype at snapshot() (exchange API only)
-  std::vector<nb::object> dtype_objs_;  // per gradient, its torch dtype at snapshot() (method calls)
-  const dlpack_exchange::Api* api_;  // null: the method-call path
-  nb::object name_grad_, name_data_ptr_, name_is_contiguous_, name_local_, name_dtype_;
-  PyTypeObject* cached_type_ = nullptr;
-  PyGetSetDef* getter_ = nullptr;
-  PyTypeObject* local_type_ = nullptr;
-  PyObject* local_descr_ = nullptr;
-};
-
 
 // p.grad = None for every parameter, through the type's setter (found once per type): ZeRO stage 2
 // frees the full gradients of thousands of parameters after each step, and a Python loop of
@@ -548,6 +354,9 @@ void bind_optimizer(nb::module_& m) {
       .def("add_group", [](PyOptimizer& o) { return o.get().add_group(); })
       .def("set_hyper", [](PyOptimizer& o, int g, const std::string& n, double v) { o.get().set_hyper(g, n, v); },
            "group"_a, "name"_a, "value"_a)
+      .def("_set_hyper_unchecked", [](PyOptimizer& o, int g, const std::string& n, double v) {
+        o.get().set_hyper_unchecked(g, n, v);
+      }, "group"_a, "name"_a, "value"_a, "set_hyper without the range check (torch's param_groups accept any value).")
       .def("hyper", [](PyOptimizer& o, int g, const std::string& n) { return o.get().hyper(g, n); }, "group"_a, "name"_a)
       .def("step_count", [](PyOptimizer& o, int g) { return o.get().step_count(g); }, "group"_a = 0)
       .def("set_step_count", [](PyOptimizer& o, int g, int64_t s) { o.get().set_step_count(g, s); }, "group"_a, "steps"_a)
@@ -567,20 +376,14 @@ void bind_optimizer(nb::module_& m) {
            "groups"_a, "device_id"_a, "watch_indices"_a, "stochastic"_a, "rng_keys"_a, "rng_offsets"_a,
            "cols"_a = std::vector<int64_t>(), "matrix_rows"_a = std::vector<int64_t>())
       .def("_patch_pointers", &PyOptimizer::patch_pointers, "params"_a.none(), "grads"_a.none(), "states"_a.none())
-      .def("_take_grads", [](PyOptimizer& o, const GradWatch& w) { return o.take_grads(w.pointers()); })
+      .def("_take_grads", [](PyOptimizer& o, nb::handle w) { return o.take_grads(watch_pointers(w)); })
       .def("_bind_hyper_raw", &PyOptimizer::bind_hyper_raw, "group"_a, "name"_a, "ptr"_a, "is_f64"_a)
       .def("_step_raw", &PyOptimizer::step_raw, "grad_scale"_a, "found_inf"_a, "stream"_a)
+      .def_prop_ro("_steps_taken", &PyOptimizer::steps_taken, "_step_raw calls that returned.")
       .def_prop_ro("chunk_elements", [](PyOptimizer& o) { return o.get().chunk_elements(); },
                    "Elements per chunk: the unit of partial sums, so of shard cuts.")
       .def("_set_exchange", &PyOptimizer::set_exchange, "global_chunks"_a, "firsts"_a, "counts"_a, "fn"_a.none());
 
-  nb::class_<GradWatch>(m, "_GradWatch")
-      .def(nb::init<std::vector<nb::object>, std::vector<int64_t>, std::vector<bool>>(), "params"_a,
-           "offsets"_a = std::vector<int64_t>(), "local_shard"_a = std::vector<bool>())
-      .def("check", &GradWatch::check)
-      .def("snapshot", &GradWatch::snapshot)
-      .def("pointers", [](const GradWatch& w) { return w.pointers(); })
-      .def("__len__", &GradWatch::size);
   m.def("_clear_grads", &clear_grads, "params"_a, "p.grad = None for every parameter of the list.");
 }
 

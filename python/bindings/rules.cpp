@@ -266,6 +266,20 @@ void bind_rules(nb::module_& m) {
         "The largest |x| over every element of every tensor (NaN if any is NaN): a global reduction.");
   m.def("tensor_max_abs", unary("tensor_max_abs", [](Expr x) { return tensor_max_abs(x); }), "x"_a,
         "The largest |x| over each tensor's own elements (one value per tensor; NaN if any is NaN).");
+  m.def("reduce", [](nb::handle x, const std::string& op, const std::string& scope) {
+    const PyExpr& a = first_expr("reduce", {x});
+    static const std::map<std::string, Op> ops = {
+        {"sum", Op::Sum}, {"sum_of_squares", Op::SumSquares}, {"max_abs", Op::MaxAbs}, {"any_nonfinite", Op::AnyNonFinite}};
+    static const std::map<std::string, Scope> scopes = {
+        {"global", Scope::Global}, {"tensor", Scope::Tensor}, {"row", Scope::Row}, {"column", Scope::Col}};
+    auto o = ops.find(op);
+    auto s = scopes.find(scope);
+    if (o == ops.end()) throw Error("reduce: op must be sum, sum_of_squares, max_abs or any_nonfinite, got '" + op + "'");
+    if (s == scopes.end()) throw Error("reduce: scope must be global, tensor, row or column, got '" + scope + "'");
+    return wrap(reduce(o->second, a.e, s->second), a);
+  }, "x"_a, "op"_a, "scope"_a,
+        "A reduction of x (op: sum, sum_of_squares, max_abs, any_nonfinite) over a scope: global, tensor, or row / "
+        "column of the tensor's matrix view (a sum of row or column values over a tensor needs no pass).");
   m.def("pow", binary("pow", [](Expr x, Expr y) { return pow(x, y); }), "x"_a, "y"_a);
   m.def("min", binary("min", [](Expr x, Expr y) { return min(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.minimum).");
   m.def("max", binary("max", [](Expr x, Expr y) { return max(x, y); }), "x"_a, "y"_a, "NaN if either is NaN (torch.maximum).");
@@ -298,6 +312,13 @@ void bind_rules(nb::module_& m) {
         rb.set_uniform_state(n, lift(v, like, "set_uniform_state").e);
       }, "name"_a, "value"_a, "Its value after this step (uniform), committed where the step is not skipped.")
       .def("step", [](const PyBuilder& b) { return b.out(b.get().step()); }, "The step being taken, 1 on the first.")
+      .def("shape", [](const PyBuilder& b, const std::string& item) {
+        static const std::map<std::string, ShapeItem> items = {
+            {"numel", ShapeItem::Numel}, {"rows", ShapeItem::Rows}, {"cols", ShapeItem::Cols}, {"is_matrix", ShapeItem::IsMatrix}};
+        auto it = items.find(item);
+        if (it == items.end()) throw Error("shape: item must be numel, rows, cols or is_matrix, got '" + item + "'");
+        return b.out(b.get().shape(it->second));
+      }, "item"_a, "The parameter's element count, rows, columns of its matrix view, or whether it has one (per tensor).")
       .def("global_value", [](const PyBuilder& b, const std::string& n) { return b.out(b.get().global(parse_global(n))); },
            "name"_a, "A per-step global scalar: 'grad_scale' or 'found_inf'.")
       .def("grad_scale", [](const PyBuilder& b) { return b.out(b.get().global(kGradScale)); })
@@ -357,6 +378,11 @@ void bind_rules(nb::module_& m) {
       .def("signature", &Rule::signature)
       .def("__repr__", [](const Rule& r) { return "<optfuse.Rule " + r.signature() + ">"; });
 
+  m.def("_set_hyper_range_checks", [](bool on) {
+    const bool was = hyper_range_checks();
+    set_hyper_range_checks(on);
+    return was;
+  }, "on"_a, "Turns Rule.hyper's range checks on or off for this thread; returns the previous setting.");
   m.def("make_builtin", [](const std::string& name, const nb::kwargs& kw) { return make_builtin(name, to_args(kw)); },
         "name"_a, "kwargs"_a, "A built-in rule or named optimizer as a chain (list of Rule).");
   m.def("parse_chain", &parse_chain, "spec"_a, "SPEC text, e.g. 'chain(clip_by_global_norm(1.0), adamw())', as a chain.");

@@ -40,11 +40,18 @@ static void check_name(const std::string& what, const std::string& n) {
     throw Error(what + " name '" + n + "' must be an identifier (letters, digits, _)");
 }
 
+namespace {
+thread_local bool t_hyper_range_checks = true;
+}
+
+bool hyper_range_checks() { return t_hyper_range_checks; }
+void set_hyper_range_checks(bool on) { t_hyper_range_checks = on; }
+
 Rule& Rule::hyper(const std::string& name, double value, Range range) {
   check_name("hyperparameter", name);
   for (auto& h : hypers_)
     if (h.name == name) throw Error("rule " + name_ + ": hyperparameter '" + name + "' declared twice");
-  if (!range.contains(value))
+  if (t_hyper_range_checks && !range.contains(value))
     throw Error("rule " + name_ + ": " + name + "=" + fmt_num(value) + " is invalid: must be " +
                 range.describe());
   hypers_.push_back({name, value, range});

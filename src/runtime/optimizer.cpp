@@ -111,6 +111,14 @@ void Optimizer::set_hyper(int group, const std::string& name, double value) {
   upload_hypers();
 }
 
+void Optimizer::set_hyper_unchecked(int group, const std::string& name, double value) {
+  check_group(group);
+  std::vector<int> slots = plan_->program.find_hypers(name);
+  size_t per = plan_->program.hypers.size();
+  for (int s : slots) hypers_[static_cast<size_t>(group) * per + static_cast<size_t>(s)] = value;
+  upload_hypers();
+}
+
 double Optimizer::hyper(int group, const std::string& name) const {
   check_group(group);
   int s = plan_->program.find_hypers(name).front();

@@ -20,6 +20,8 @@ Hyperparameters given as tensors (torch's capturable style) are *bound*: the ker
 float32/float64 tensor on the engine's device at every step, so `lr.fill_(x)` (a scheduler) takes
 effect without a host round trip, also between replays of a captured CUDA graph.
 """
+import math
+
 import torch
 
 from .. import _core
@@ -33,6 +35,9 @@ HAS_DLPACK_EXCHANGE = _core._set_torch_exchange(torch.Tensor)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3}
 _FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int16": torch.int16}
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def dtype_code(t):
@@ -89,7 +94,10 @@ class Engine:
         self.bound = {}     # (internal group, hyper name) -> the tensor the kernel reads
         self.exact = False  # steps() may count on the host: no step could have been skipped unseen
         self.base_steps = []  # per internal group: its step count when the table was built
-        self.taken = 0        # steps since then
+        self.taken_base = 0   # the core's launch count then
+        # the dtype the kernel's math runs in for the value checks of _number (float64 only where
+        # every parameter is float64)
+        self.math_dtype = torch.float32
 
     def build(self, entries, hypers_of_torch_group):
         """entries: (param, grad, states, torch group index, step, watch index, stochastic, rng key) per
@@ -102,6 +110,8 @@ class Engine:
         inits = tuple(init for _, init in self.uniform_state_specs)
         ustates_of = lambda e: tuple(e[8]) if len(e) > 8 and e[8] is not None else inits  # noqa: E731
         self.groups, self.group_of, self.params, self.indices, self.states = [], [], [], [], []
+        self.math_dtype = (torch.float64 if entries and all(e[0].dtype == torch.float64 for e in entries)
+                           else torch.float32)
         self.group_ustates = []  # per internal group: its uniform-state values when the table was built
         for e in entries:
             tg, step = e[3], e[4]
@@ -119,7 +129,7 @@ class Engine:
                     self.core._bind_hyper_raw(gi, name, 0, False)
         self.bound = {}
         self.base_steps = [step for _, step in self.groups]
-        self.taken = 0
+        self.taken_base = self.core._steps_taken  # (the core counts launches: _launch's atomic call)
         self.exact = self.countable and not self.captured
         for gi, (tg, step) in enumerate(self.groups):
             self.core.set_step_count(gi, step)
@@ -165,7 +175,7 @@ class Engine:
             if name not in self.hyper_names:
                 continue
             bind = self._bindable(name, value)
-            key = ("bound", id(value)) if bind else float(value)
+            key = ("bound", id(value)) if bind else self._number(gi, name, value)
             if done.get(name) == key:
                 continue
             if bind:
@@ -174,8 +184,28 @@ class Engine:
             else:
                 if self.bound.pop((gi, name), None) is not None:
                     self.core._bind_hyper_raw(gi, name, 0, False)
-                self.core.set_hyper(gi, name, key)
+                # torch validates constructor arguments only: a value set in param_groups later
+                # (NaN, inf, negative) is stepped with, as torch does
+                self.core._set_hyper_unchecked(gi, name, key)
             done[name] = key
+
+    def _number(self, gi, name, value):
+        """A group value as the float the kernel reads, refused where torch's step refuses it: not a
+        number (TypeError), or too large for the float32 math of float32/16-bit parameters
+        (torch: "value cannot be converted to type float without overflow")."""
+        if torch.is_tensor(value):
+            if value.numel() != 1:
+                raise _core.OptfuseError(f"hyperparameter {name} must be a number or a one-element tensor, "
+                                         f"got a tensor of shape {tuple(value.shape)}")
+            return float(value)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (int, float)):
+            raise TypeError(f"hyperparameter {name} of group {self.groups[gi][0]} must be a number, "
+                            f"got {type(value).__name__} {value!r}")
+        x = float(value)
+        if math.isfinite(x) and abs(x) > _FLOAT32_MAX and self.math_dtype == torch.float32:
+            raise RuntimeError(f"hyperparameter {name}={x!r} of group {self.groups[gi][0]}: value cannot be converted "
+                               "to type float without overflow")
+        return x
 
     def _bindable(self, name, value):
         """A tensor hyperparameter the kernel can read at every step (else its value is pushed)."""
@@ -205,7 +235,8 @@ class Engine:
         """Current step count of every parameter in the table (reads the device only when a step
         may have been skipped there)."""
         if self.exact:
-            counts = [s + self.taken for s in self.base_steps]
+            taken = self.core._steps_taken - self.taken_base
+            counts = [s + taken for s in self.base_steps]
         else:
             counts = [self.core.step_count(gi) for gi in range(len(self.groups))]
         return [(p, counts[gi]) for p, gi in zip(self.params, self.group_of)]
@@ -220,22 +251,27 @@ class Engine:
                       for gi in range(len(self.groups))]
         return [(p, values[gi]) for p, gi in zip(self.params, self.group_of)]
 
-    def step(self, grad_scale, found_inf, capturing=False):
+    def launch(self, grad_scale, found_inf, capturing=False):
+        """The step's launch as (callable, args) for _core._call_each (None: an empty table), with
+        the tensors behind grad_scale and found_inf on this engine's device (kept alive by the
+        caller until the launch is queued: a tensor freed after that is reused only by later work on
+        the same stream)."""
         if not self.params:
-            return
+            return None, None, None
         gs = _scalar_ptr(grad_scale, self.device)
         fi = _scalar_ptr(found_inf, self.device)
         if found_inf is not None or capturing:
             self.exact = False  # skips (or graph replays) happen where the host cannot count them
             self.captured = self.captured or capturing
-        if self.backend == "cuda":
+        stream = current_stream(self.device) if self.backend == "cuda" else 0
+        return (self.core._step_raw, (gs[0], fi[0], stream)), gs[1], fi[1]
+
+    def step(self, grad_scale, found_inf, capturing=False):
+        """One launch now (callers without step tensors to advance with it)."""
+        call, gs, fi = self.launch(grad_scale, found_inf, capturing)
+        if call is not None:
             with _on_device(self.device):
-                self.core._step_raw(gs[0], fi[0], current_stream(self.device))
-        else:
-            self.core._step_raw(gs[0], fi[0], 0)
-        self.taken += 1
-        # gs[1], fi[1] (the tensors behind the pointers) stay referenced until the launch is queued;
-        # a tensor freed after that is reused only by later work on the same stream.
+                call[0](*call[1])
         return gs, fi
 
 

@@ -372,7 +372,7 @@ class Muon(torch.optim.Optimizer):
                 raise OptfuseError(f"{type(self).__name__}: the parameter of shape {tuple(p.shape)} is a DTensor (FSDP2 "
                                    "fully_shard); Newton-Schulz orthogonalises whole matrices and each rank holds rows "
                                    "of one (gathering them is not built)")
-        self._watch = _core._GradWatch(params)
+        self._watch = _core._TableWatch(params)
         grads = self._watch.snapshot()
         items, w = [], 0
         for tg, g in enumerate(groups):
