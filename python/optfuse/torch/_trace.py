@@ -57,18 +57,30 @@ class _Paths:
         self.forced, self.seen = list(forced), []
         self.memo = {} if memo else None
 
-    def decide(self, cond_expr, real, foreign=False, where="?"):
-        key = (repr(cond_expr), foreign)
+    def decide(self, cond_expr, real, foreign=False, where="?", canon=None):
+        """`canon`: (key, negated) of a comparison, so that a condition and its complement (`momentum != 0`
+        in init_group, `momentum == 0` in the step: MADGRAD) are one branch with opposite outcomes."""
+        key, negated = canon if canon is not None else (repr(cond_expr), False)
+        key = (key, foreign)
         if self.memo is not None and key in self.memo:
-            return self.memo[key]
+            return self.memo[key] != negated
         i = len(self.seen)
         outcome = self.forced[i] if i < len(self.forced) else bool(real)
         d = _Decision((cond_expr, outcome))
         d.foreign, d.where = foreign, where
         self.seen.append(d)
         if self.memo is not None:
-            self.memo[key] = outcome
+            self.memo[key] = outcome != negated
         return outcome
+
+
+def _canon(op, ea, eb):
+    """(key, negated) of the comparison `ea op eb`: a < b, b > a, not a >= b and not b <= a are one key
+    (so are a == b, b == a, not a != b); NaN aside, which branches on hyperparameters do not meet."""
+    a, b = repr(ea), repr(eb)
+    return {"lt": (("lt", a, b), False), "gt": (("lt", b, a), False), "ge": (("lt", a, b), True),
+            "le": (("lt", b, a), True), "eq": (("eq",) + tuple(sorted((a, b))), False),
+            "ne": (("eq",) + tuple(sorted((a, b))), True)}[op]
 
 
 def _f(x):
@@ -88,6 +100,8 @@ class SymFloat(float):
     def _lift(self, other):
         if isinstance(other, _ProbeCount):
             other._refuse()
+        if isinstance(other, _ProbeDim):
+            return other.expr_or_refuse()
         if isinstance(other, SymFloat):
             return other.expr
         if isinstance(other, (int, float)) and not isinstance(other, bool):
@@ -116,19 +130,19 @@ class SymFloat(float):
     def __pos__(self): return self
     def __abs__(self): return SymFloat(abs(_f(self)), _core.abs(self.expr), self.paths)
 
-    def _cmp(self, o, fn, exprfn):
+    def _cmp(self, o, fn, exprfn, op):
         e = self._lift(o)
         if e is None:
             return NotImplemented
-        return self.paths.decide(exprfn(self.expr, e), fn(_f(self), _f(o)))
+        return self.paths.decide(exprfn(self.expr, e), fn(_f(self), _f(o)), canon=_canon(op, self.expr, e))
 
-    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b, lambda a, b: a < b)
-    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b, lambda a, b: a <= b)
-    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b, lambda a, b: a > b)
-    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b, lambda a, b: a >= b)
-    def __eq__(self, o): return self._cmp(o, lambda a, b: a == b, lambda a, b: a == b)
-    def __ne__(self, o): return self._cmp(o, lambda a, b: a != b, lambda a, b: a != b)
-    def __bool__(self): return self.paths.decide(self.expr != 0.0, _f(self) != 0.0)
+    def __lt__(self, o): return self._cmp(o, lambda a, b: a < b, lambda a, b: a < b, "lt")
+    def __le__(self, o): return self._cmp(o, lambda a, b: a <= b, lambda a, b: a <= b, "le")
+    def __gt__(self, o): return self._cmp(o, lambda a, b: a > b, lambda a, b: a > b, "gt")
+    def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b, lambda a, b: a >= b, "ge")
+    def __eq__(self, o): return self._cmp(o, lambda a, b: a == b, lambda a, b: a == b, "eq")
+    def __ne__(self, o): return self._cmp(o, lambda a, b: a != b, lambda a, b: a != b, "ne")
+    def __bool__(self): return self.paths.decide(self.expr != 0.0, _f(self) != 0.0, canon=_canon("ne", self.expr, 0.0))
     __hash__ = float.__hash__
 
     def __int__(self):
@@ -187,6 +201,7 @@ def _symbolic_math(fn, exprfn):
         for v in (x,) + rest:
             if isinstance(v, _ProbeCount):
                 v._refuse()
+        x, rest = _dim_sym(x), tuple(_dim_sym(v) for v in rest)
         if isinstance(x, SymFloat) or any(isinstance(r, SymFloat) for r in rest):
             xs = (x,) + rest
             try:
@@ -209,6 +224,10 @@ def _refusing_math(name, fn):
     step-dependent argument into the trace at its value now: refused instead."""
     def wrapped(*xs):
         for v in xs:
+            if isinstance(v, _ProbeDim) or isinstance(v, (list, tuple)) and any(isinstance(y, _ProbeDim) for y in v):
+                d = v if isinstance(v, _ProbeDim) else next(y for y in v if isinstance(y, _ProbeDim))
+                raise TraceError(f"math.{name} of a tensor's size ({d.what} at {d.where}): no optfuse equivalent "
+                                 "recorded (the probe's size would be frozen into the trace)")
             if isinstance(v, _ProbeCount) or isinstance(v, (list, tuple)) and any(isinstance(y, _ProbeCount) for y in v):
                 _ProbeCount._refuse(v if isinstance(v, _ProbeCount) else next(y for y in v if isinstance(y, _ProbeCount)))
         if any(isinstance(x, SymFloat) or (isinstance(x, (list, tuple)) and any(isinstance(y, SymFloat) for y in x))
@@ -252,6 +271,61 @@ class _ProbeCount(float):
     __hash__ = float.__hash__
 
 
+class _ProbeDim(int):
+    """A size of a probe tensor (`p.shape[i]`, `p.size(i)`): an int, so that it still shapes views
+    (`x.view(x.size(0), -1)`), that carries the expression of the real tensor's size where one is known
+    (the element count, the columns of the matrix view: its last dimension, its rows: the next-to-last).
+    Used as a number (math.sqrt(x.size(1)): timm's AdamP), it is that expression; where none is known it
+    is refused, since the probe's size would be frozen into the trace."""
+
+    def __new__(cls, value, expr, paths, what, where):
+        obj = super().__new__(cls, value)
+        obj.expr, obj.paths, obj.what, obj.where = expr, paths, what, where
+        return obj
+
+    def expr_or_refuse(self):
+        if self.expr is None:
+            raise TraceError(f"arithmetic on {self.what} at {self.where}: the probe's size would be frozen into the "
+                             "trace, and this size is not one the IR has per tensor (it has the element count, "
+                             "and of the matrix view the columns: the last dimension, and the rows: the one before)")
+        return self.expr
+
+    def sym(self):
+        return SymFloat(float(int(self)), self.expr_or_refuse(), self.paths)
+
+    def _int_op(self, o, fn, exprfn, reverse=False):
+        if isinstance(o, bool) or not isinstance(o, int):
+            if isinstance(o, (float, SymFloat)) and not isinstance(o, _ProbeCount):
+                return fn(self.sym(), o) if not reverse else fn(o, self.sym())
+            return NotImplemented
+        a, b = (int(o), int(self)) if reverse else (int(self), int(o))
+        eo = o.expr if isinstance(o, _ProbeDim) else float(o)
+        if isinstance(o, _ProbeDim) and o.expr is None:
+            eo = None
+        e = None if self.expr is None or eo is None else (exprfn(eo, self.expr) if reverse else exprfn(self.expr, eo))
+        return _ProbeDim(fn(a, b), e, self.paths, self.what, self.where)
+
+    def __add__(self, o): return self._int_op(o, lambda a, b: a + b, lambda a, b: a + b)
+    def __radd__(self, o): return self._int_op(o, lambda a, b: a + b, lambda a, b: a + b, True)
+    def __sub__(self, o): return self._int_op(o, lambda a, b: a - b, lambda a, b: a - b)
+    def __rsub__(self, o): return self._int_op(o, lambda a, b: a - b, lambda a, b: a - b, True)
+    def __mul__(self, o): return self._int_op(o, lambda a, b: a * b, lambda a, b: a * b)
+    def __rmul__(self, o): return self._int_op(o, lambda a, b: a * b, lambda a, b: a * b, True)
+    # sizes divide one another exactly (numel // size(0)): the quotient is the ratio
+    def __floordiv__(self, o): return self._int_op(o, lambda a, b: a // b, lambda a, b: a / b)
+    def __rfloordiv__(self, o): return self._int_op(o, lambda a, b: a // b, lambda a, b: a / b, True)
+    def __truediv__(self, o): return self.sym() / o
+    def __rtruediv__(self, o): return o / self.sym()
+    def __pow__(self, o): return self.sym() ** o
+    def __rpow__(self, o): return o ** self.sym()
+    def __float__(self): return float(self.sym())  # refused (SymFloat.__float__): it would be frozen
+    __hash__ = int.__hash__
+
+
+def _dim_sym(v):
+    return v.sym() if isinstance(v, _ProbeDim) else v
+
+
 # Ops whose result is a Python value that may carry an expression.
 _SCALAR_OUT = ("item", "__bool__", "__float__")
 # Ops whose result is a plain Python value read from a tensor's data (it would be frozen): refused on a
@@ -289,6 +363,8 @@ class _Recorder(TorchFunctionMode):
         self.keep = []      # recorded tensors stay alive: their memory is not reused by others
         self.square_of = {}  # key of a tensor that is y*y (y.square(), y**2, y.pow(2), y*y) -> y's expr
         self.param_numel = None  # the probe parameter's element count (the first element tensor bound)
+        self.param_shape = None
+        self.abs_of = {}  # key of a tensor that is |y| -> y's expr (its max() is y's max-of-abs)
 
     @staticmethod
     def key(t):
@@ -297,14 +373,17 @@ class _Recorder(TorchFunctionMode):
     def bind(self, t, expr, kind):
         self.expr[self.key(t)] = (expr, kind)
         self.square_of.pop(self.key(t), None)  # rebound (an in-place op): no longer the square it was
+        self.abs_of.pop(self.key(t), None)
         self.keep.append(t)
         if kind == "element" and self.param_numel is None:
-            self.param_numel = t.numel()
+            self.param_numel, self.param_shape = t.numel(), tuple(t.shape)
 
     def of(self, x, where):
         """(expr, kind) of an argument: a recorded tensor, a SymFloat, a number; else TraceError."""
         if isinstance(x, _ProbeCount):
             x._refuse()
+        if isinstance(x, _ProbeDim):
+            return x.expr_or_refuse(), "tensor"
         if isinstance(x, SymFloat):
             return x.expr, "uniform"
         if isinstance(x, bool):
@@ -335,7 +414,14 @@ class _Recorder(TorchFunctionMode):
             raise TraceError(f"torch op '{name}' at {_where()} returns several tensors: not traceable")
         if name in ("numel", "nelement") and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
                 and self.expr[self.key(args[0])][1] != "uniform":
+            if self.expr[self.key(args[0])][1] != "foreign" and out == self.param_numel and hasattr(self.b, "shape"):
+                # the parameter's element count: an input of the rule (Op::Shape), not the probe's number
+                return SymFloat(float(out), self.b.shape("numel"), self.paths)
             return _ProbeCount(out, _where())
+        if (name == "size" or name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "shape") \
+                and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
+                and self.expr[self.key(args[0])][1] != "uniform":
+            return self.sizes(args[0], out, name, args, kwargs)
         if name in _DATA_OUT and args and torch.is_tensor(args[0]):
             hit = self.expr.get(self.key(args[0]))
             if hit is not None and (hit[1] != "uniform" or not repr(hit[0]).endswith(" const>")):
@@ -347,6 +433,54 @@ class _Recorder(TorchFunctionMode):
         if name in ("__get__", "__set__") or (not torch.is_tensor(out) and name not in _SCALAR_OUT):
             return out  # attribute access (p.grad, p.shape, numel(), ...): nothing to record
         return self.record(name, args, kwargs, out, _where())
+
+    def runs(self, shape):
+        """Which of the parameter's dimensions each dimension of a tensor of `shape` spans (a reshape of the
+        parameter: each dimension a product of consecutive ones of the parameter's), or None."""
+        P = self.param_shape
+        if P is None or math.prod(shape) != self.param_numel:
+            return None
+        out, j = [], 0
+        for n in shape:
+            a, prod = j, 1
+            while prod < n and j < len(P):
+                prod *= P[j]
+                j += 1
+            if prod != n:
+                return None
+            out.append((a, j))
+        return out if j == len(P) or all(d == 1 for d in P[j:]) else None
+
+    def size_expr(self, run):
+        """The real tensor's size over the parameter's dimensions [a, b), as an expression where the IR has
+        it (element count, columns = the last dimension, rows = the one before), else None."""
+        a, bnd = run
+        d, b = len(self.param_shape), self.b
+        if a == bnd:
+            return b.constant(1.0)
+        if (a, bnd) == (0, d):
+            return b.shape("numel")
+        if d < 2:
+            return None
+        return {(d - 1, d): lambda: b.shape("cols"), (d - 2, d - 1): lambda: b.shape("rows"),
+                (d - 2, d): lambda: b.shape("rows") * b.shape("cols"),
+                (0, d - 1): lambda: b.shape("numel") / b.shape("cols"),
+                (0, d - 2): lambda: b.shape("numel") / (b.shape("rows") * b.shape("cols"))}.get((a, bnd), lambda: None)()
+
+    def sizes(self, t, out, name, args, kwargs):
+        """p.shape / p.size() / p.size(i) of a recorded tensor: _ProbeDims (see there)."""
+        where = _where()
+        foreign = self.expr[self.key(t)][1] == "foreign"
+        runs = None if foreign or not hasattr(self.b, "shape") else self.runs(tuple(t.shape))
+        dims = []
+        for i, n in enumerate(t.shape):
+            e = self.size_expr(runs[i]) if runs is not None else None
+            what = f"dimension {i} of a tensor of shape {tuple(t.shape)}" + (" (another parameter's)" if foreign else "")
+            dims.append(_ProbeDim(n, e, self.paths, what, where))
+        if isinstance(out, int):
+            i = args[1] if len(args) > 1 else kwargs.get("dim")
+            return dims[i]
+        return torch.Size(dims)
 
     def record(self, name, args, kw, out, where):
         b = self.b
@@ -367,10 +501,15 @@ class _Recorder(TorchFunctionMode):
 
         def kind(*ks):
             if "foreign" in ks:
-                if ("element" in ks or "tensor" in ks) and self.mixed_at is None:
+                if any(k in ("element", "tensor", "row", "col") for k in ks) and self.mixed_at is None:
                     self.mixed_at = where
                 return "foreign"
-            return "element" if "element" in ks else "tensor" if "tensor" in ks else "uniform"
+            if "rowmax" in ks:
+                raise TraceError(f"the largest of per-row values (max() of a per-row reduction) is used at {where} "
+                                 "other than in a comparison (max() < x): the IR has no max over rows")
+            if "element" in ks or "row" in ks and "col" in ks:
+                return "element"
+            return "row" if "row" in ks else "col" if "col" in ks else "tensor" if "tensor" in ks else "uniform"
 
         if base in ("item",):
             e, k = E(0)
@@ -396,6 +535,9 @@ class _Recorder(TorchFunctionMode):
         unary = {"sqrt": _core.sqrt, "rsqrt": _core.rsqrt, "exp": _core.exp, "log": _core.log, "abs": _core.abs,
                  "sign": _core.sign, "sgn": _core.sign, "neg": lambda x: -x, "negative": lambda x: -x,
                  "reciprocal": lambda x: 1.0 / x, "square": lambda x: x * x,
+                 # composed of IR ops (torch computes them in float32 the same way, to a few ulp)
+                 "sigmoid": lambda x: 1.0 / (1.0 + _core.exp(-x)), "relu": lambda x: _core.max(x, 0.0),
+                 "tanh": lambda x: 1.0 - 2.0 / (_core.exp(2.0 * x) + 1.0),
                  # same elements, another shape or copy: element-wise math does not see the difference
                  "clone": lambda x: x, "detach": lambda x: x, "contiguous": lambda x: x, "view_as": lambda x: x,
                  "reshape_as": lambda x: x, "view": lambda x: x, "reshape": lambda x: x, "flatten": lambda x: x,
@@ -417,6 +559,9 @@ class _Recorder(TorchFunctionMode):
             if base in ("div", "truediv", "divide") and kw.get("rounding_mode") is not None:
                 raise TraceError(f"division with rounding_mode at {where} is not traceable")
             (x, kx), (y, ky) = E(0), self.of(arg(1, "exponent" if base == "pow" else "other"), where)
+            if "rowmax" in (kx, ky) and base in ("lt", "gt", "le", "ge", "less", "greater"):
+                res, rk = self.rowmax_compare(base, (x, kx), (y, ky), where)
+                return self.finish(res, rk, args, kw, out, inplace, base, where)
             alpha = kw.get("alpha")
             if alpha is not None and base in ("add", "sub"):
                 y = self.of(alpha, where)[0] * y
@@ -449,6 +594,16 @@ class _Recorder(TorchFunctionMode):
             if base == "full_like":
                 v = kw.get("fill_value", args[1] if len(args) > 1 else None)
             res, rk = self.of(v, where)  # every element the fill value: of its kind, not an element value
+        elif base in ("full", "zeros", "ones", "empty", "new_full", "new_zeros", "new_ones", "new_empty"):
+            # a tensor made filled with one value (torch.full(p.shape, 1e-3): AdaBound, AdaMod)
+            fill = {"zeros": 0.0, "ones": 1.0, "empty": 0.0}.get(base.replace("new_", ""))
+            if fill is None:
+                fill = kw.get("fill_value", args[2 if base == "new_full" else 1] if len(args) > (2 if base == "new_full" else 1) else None)
+            if base.startswith("new_"):
+                E(0)
+            res, rk = self.of(fill, where)
+        elif base == "cosine_similarity":
+            res, rk = self.cosine(args, kw, where)
         elif base in ("zero", "fill"):
             E(0)
             res, rk = (b.constant(0.0), "uniform") if base == "zero" else self.of(arg(1, "value"), where)
@@ -464,6 +619,10 @@ class _Recorder(TorchFunctionMode):
             res, rk = self.of(args[0], where)
         else:
             raise TraceError(f"torch op '{name}' at {where} is not traceable (no optfuse equivalent recorded)")
+        return self.finish(res, rk, args, kw, out, inplace, base, where)
+
+    def finish(self, res, rk, args, kw, out, inplace, base, where):
+        self.check_lines(args, kw, out, rk, where)
         target = args[0] if inplace or base == "copy_" else out
         if torch.is_tensor(target):
             self.bind(target, res, rk)
@@ -474,7 +633,99 @@ class _Recorder(TorchFunctionMode):
             for t in (target, out):
                 if torch.is_tensor(t):
                     self.square_of[self.key(t)] = root
+        if base == "abs" and rk in ("element", "foreign"):  # |y|: a later .max() of it is y's max of abs
+            for t in (target, out):
+                if torch.is_tensor(t):
+                    self.abs_of[self.key(t)] = self.of(args[0], where)[0] if not inplace else res
         return out
+
+    def check_lines(self, args, kw, out, rk, where):
+        """A per-row or per-column value (a reduction along dim=) must broadcast over the parameter's matrix
+        as the IR's row and column values do: a row value as (rows, 1), a column value as (1, cols). torch
+        broadcasts by position: (rows,) against (rows, cols) would be per column (refused)."""
+        lines = [a for a in list(args) + list(kw.values()) if torch.is_tensor(a) and self.key(a) in self.expr
+                 and self.expr[self.key(a)][1] in ("row", "col")]
+        if not lines or not torch.is_tensor(out):
+            return
+        P = self.param_shape
+        rows = self.param_numel // P[-1]
+        for a in lines:
+            k = self.expr[self.key(a)][1]
+            if rk == k:
+                ok = out.numel() == (rows if k == "row" else P[-1])
+            else:
+                sh = (1,) * (out.dim() - a.dim()) + tuple(a.shape)
+                ok = (out.numel() == self.param_numel and out.dim() >= 1 and out.shape[-1] == P[-1]
+                      and (sh[-1] == 1 and math.prod(sh) == rows if k == "row" else
+                           sh[-1] == P[-1] and math.prod(sh) == P[-1]))
+            if not ok:
+                raise TraceError(
+                    f"a per-{'row' if k == 'row' else 'column'} value of shape {tuple(a.shape)} meets a tensor of shape "
+                    f"{tuple(out.shape)} at {where} (parameter {tuple(P)}): only as ({rows}, 1) against the "
+                    f"parameter's rows or (1, {P[-1]}) against its columns is it the IR's row / column value")
+
+    def rowmax_compare(self, base, xa, ya, where):
+        """max() of per-row values compared with a per-tensor or uniform value (timm's AdamP:
+        `cosine.max() < delta / sqrt(n)`): the count of rows on the other side, a sum of row values over the
+        tensor (no pass). max(r) < y  <=>  no row has not(r < y) (a NaN row makes it false, as torch's max)."""
+        (x, kx), (y, ky) = xa, ya
+        if kx != "rowmax":  # y op max(r): flip
+            base = {"lt": "gt", "gt": "lt", "le": "ge", "ge": "le", "less": "gt", "greater": "lt"}[base]
+            (x, kx), (y, ky) = (y, ky), (x, kx)
+        if ky not in ("tensor", "uniform"):
+            raise TraceError(f"max() of per-row values compared with a {ky} value at {where}: not traceable")
+        count = lambda c: _core.reduce(c, "sum", "tensor")  # noqa: E731
+        nan_free = count(_core.logical_not(x == x)) == 0.0
+        base = {"less": "lt", "greater": "gt"}.get(base, base)
+        if base == "lt":
+            return count(_core.logical_not(x < y)) == 0.0, "tensor"
+        if base == "le":
+            return count(_core.logical_not(x <= y)) == 0.0, "tensor"
+        if base == "gt":
+            return _core.logical_and(count(x > y) > 0.0, nan_free), "tensor"
+        return _core.logical_and(count(x >= y) > 0.0, nan_free), "tensor"
+
+    def scope_of(self, x, dims, what):
+        """The IR scope of a reduction of x (a tensor of the parameter's elements) over `dims` (None: all):
+        "tensor", "row" (the last dimension of the parameter, a matrix) or "col" (the one before)."""
+        nd = x.dim()
+        if dims is None:
+            return "tensor"
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        dims = tuple(sorted(d % nd if nd else 0 for d in dims))
+        if not dims or all(x.shape[i] == 1 for i in range(nd) if i not in dims):
+            return "tensor"
+        P = self.param_shape
+        if P is not None and len(P) == 2 and x.numel() == self.param_numel:
+            if dims == tuple(range(nd - len(dims), nd)) and math.prod(x.shape[i] for i in dims) == P[-1]:
+                return "row"
+            if nd >= 2 and dims == (nd - 2,) and x.shape[-1] == P[-1] and x.shape[-2] == P[-2]:
+                return "col"
+        raise TraceError(f"{what}: a reduction along dims {dims} of a tensor of shape {tuple(x.shape)} (parameter "
+                         f"{tuple(P) if P is not None else '?'}): the IR reduces whole tensors, and rows (the last "
+                         "dimension) or columns (the one before) of a 2-dimensional parameter only; fusable as the "
+                         "whole tensor's, or the rows' or columns' of a matrix")
+
+    def cosine(self, args, kw, where):
+        """F.cosine_similarity(x1, x2, dim, eps): sum(x1 * x2) / (max(|x1|, eps) * max(|x2|, eps)) over the
+        dimension's scope (torch divides each by its clamped norm before the sum: equal up to rounding)."""
+        x1, x2 = args[0], args[1] if len(args) > 1 else kw.get("x2")
+        dim = args[2] if len(args) > 2 else kw.get("dim", 1)
+        eps = args[3] if len(args) > 3 else kw.get("eps", 1e-8)
+        what = f"cosine_similarity(dim={dim!r}) at {where}"
+        if not (torch.is_tensor(x1) and torch.is_tensor(x2)) or tuple(x1.shape) != tuple(x2.shape):
+            raise TraceError(f"{what}: of tensors of different shapes (broadcast): not traceable")
+        scope = self.scope_of(x1, dim, what)
+        (a, ka), (c, kc) = self.of(x1, where), self.of(x2, where)
+        for k in (ka, kc):
+            if k not in ("element", "foreign"):
+                raise TraceError(f"{what}: of a {k} value: the IR reduces per-element values only")
+        s = "column" if scope == "col" else scope
+        e = self.of(eps, where)[0]
+        na = _core.max(_core.sqrt(_core.reduce(a, "sum_of_squares", s)), e)
+        nc = _core.max(_core.sqrt(_core.reduce(c, "sum_of_squares", s)), e)
+        res = _core.reduce(a * c, "sum", s) / (na * nc)
+        return res, "foreign" if "foreign" in (ka, kc) else scope
 
     def square_root(self, base, args, kw, rk, where):
         """y's expression when this op computed y*y (y.square(), y**2, y.pow(2), y*y) of an element value y."""
@@ -494,8 +745,10 @@ class _Recorder(TorchFunctionMode):
         return None
 
     def reduction(self, name, base, args, kw, where):
-        """A whole-tensor reduction the IR has (per tensor: the sum of squares), as (expr, "tensor");
-        TraceError naming the construct otherwise."""
+        """A reduction the IR has, as (expr, kind): of the parameter's elements over the whole tensor
+        (sum, mean, 2-norms, p-norms, the max of |x|), its rows or its columns (dim= of a matrix: row and
+        column values); of per-row values over the tensor (sum, mean; max only compared); of a one-element
+        per-tensor value (itself). TraceError naming the construct otherwise."""
         x = args[0] if args else kw.get("input")
         if not self.reductions:
             raise TraceError(f"torch op '{name}' at {where} (a reduction) is not traceable here: the function "
@@ -515,45 +768,32 @@ class _Recorder(TorchFunctionMode):
             p, dim = None, arg(1, "dim")
             keepdim = arg(2, "keepdim", False)
             what = f"{base}(){'' if dim is None else f' with dim={dim!r}'} at {where}"
-        if dim is not None:
-            raise TraceError(f"{what}: a reduction along dimensions (dim=) is not traceable; the IR reduces whole "
-                             "tensors only (a norm or sum of squares of the whole parameter-shaped tensor)")
-        if keepdim:
-            raise TraceError(f"{what}: keepdim=True is not traceable (reduce to a 0-dim value, keepdim=False)")
         if kw.get("out") is not None:
             raise TraceError(f"{what}: out= is not traceable")
         dtype = kw.get("dtype")
         if dtype is not None and dtype not in (torch.float32, torch.float64):
             raise TraceError(f"{what}: dtype={dtype} is not traceable (float32 or float64 only)")
-        if base in ("max", "min", "amax", "amin"):
-            raise TraceError(f"{what}: the IR has no max/min reduction (the largest |x|, x.abs().max(), the inf-norm, "
-                             "is not a reduction optfuse has; per tensor it has the sum of squares)")
-        if base in ("mean", "nanmean"):
-            raise TraceError(f"{what}: a mean needs the tensor's element count, which the IR has not (per tensor "
-                             "it has the sum of squares: norm(), x.pow(2).sum())")
-        if base not in ("norm", "linalg_vector_norm", "linalg_norm", "sum"):
-            raise TraceError(f"{what}: a reduction the IR has not (per tensor it has the sum of squares: "
-                             "norm(), x.pow(2).sum())")
         if not torch.is_tensor(x):
             raise TraceError(f"{what}: not of a tensor")
-        if base != "sum":
-            nd = x.dim()
-            if isinstance(p, SymFloat):
-                raise TraceError(f"{what}: the norm's order comes from a hyperparameter or the step: not traceable "
-                                 "(only the 2-norm is a reduction the IR has)")
-            two = type(p) in (int, float) and p == 2
-            ok = {"norm": p in ("fro", None) or two,
-                  "linalg_vector_norm": two,
-                  # linalg.norm: None is the 2-norm of the flattened tensor; 'fro' is it of a matrix; ord=2 is
-                  # the vector 2-norm of a vector but the spectral norm of a matrix
-                  "linalg_norm": p is None or (p == "fro" and nd == 2) or (two and nd == 1)}[base]
-            if not ok:
-                inf = type(p) in (int, float) and p == float("inf")
-                why = ("the largest |x| (a max-of-abs reduction), which the IR has not" if inf else
-                       "a matrix norm (singular values), not traceable" if base == "linalg_norm" and nd == 2 else
-                       "only the 2-norm (the square root of a sum of squares) is a reduction the IR has")
-                raise TraceError(f"{what}: {why}")
         e, k = self.of(x, where)
+        b = self.b
+        if k == "tensor" and x.numel() == 1 and base in ("sum", "mean", "max", "min", "amax", "amin", "nansum",
+                                                          "nanmean"):
+            return e, k  # of one value per tensor: itself
+        if k in ("row", "col"):
+            if dim is not None and self.scope_of(x, dim, what) != "tensor":
+                raise TraceError(f"{what}: of per-{'row' if k == 'row' else 'column'} values along a dimension")
+            lines = b.shape("rows") if k == "row" else b.shape("cols")
+            if base in ("sum", "nansum"):
+                return _core.reduce(e, "sum", "tensor"), "tensor"
+            if base in ("mean", "nanmean"):
+                return _core.reduce(e, "sum", "tensor") / lines, "tensor"
+            if base in ("max", "amax") and k == "row":
+                return e, "rowmax"  # only compared (rowmax_compare)
+            raise TraceError(f"{what}: of per-{'row' if k == 'row' else 'column'} values: the IR sums row and column "
+                             "values over a tensor (sum(), mean()), and compares their max() with a value; not more")
+        if k == "rowmax":
+            raise TraceError(f"{what}: of the largest of per-row values: not traceable")
         if k not in ("element", "foreign"):
             raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
                              "elements all hold one value per tensor or per step): the IR reduces per-element "
@@ -561,13 +801,50 @@ class _Recorder(TorchFunctionMode):
         if self.param_numel is not None and x.numel() != self.param_numel:
             raise TraceError(f"{what}: of a tensor of shape {tuple(x.shape)} ({x.numel()} elements), not the "
                              f"parameter's ({self.param_numel}): the IR reduces whole parameter-shaped tensors only")
-        if base == "sum":
+        scope = self.scope_of(x, dim, what)
+        s = "column" if scope == "col" else scope
+        rk = scope if k == "element" else k
+        count = {"tensor": "numel", "row": "cols", "col": "rows"}[scope]
+        if base in ("max", "min", "amax", "amin"):
+            root = self.abs_of.get(self.key(x))
+            if base in ("max", "amax") and root is not None and dim is None:
+                return _core.tensor_max_abs(root), rk
+            raise TraceError(f"{what}: the IR has no max/min reduction (it has the largest |x| of a whole tensor: "
+                             "x.abs().max(), norm(p=inf))")
+        if base in ("mean", "nanmean", "sum", "nansum"):
             root = self.square_of.get(self.key(x))
-            if root is None:
-                raise TraceError(f"{what}: the sum of a tensor that is not a square (x*x, x**2, x.pow(2), "
-                                 "x.square()); the only per-tensor sum the IR has is the sum of squares")
-            return _core.tensor_sum_of_squares(root), "tensor" if k == "element" else k
-        return _core.sqrt(_core.tensor_sum_of_squares(e)), "tensor" if k == "element" else k
+            total = (_core.reduce(root, "sum_of_squares", s) if root is not None
+                     else _core.reduce(e, "sum", s))
+            if base.endswith("mean"):
+                total = total / b.shape(count)
+            return total, rk
+        if base not in ("norm", "linalg_vector_norm", "linalg_norm"):
+            raise TraceError(f"{what}: a reduction the IR has not (it has sums, means, p-norms and the largest |x| of "
+                             "a whole tensor, and sums, means and 2-norms of a matrix's rows or columns)")
+        nd = x.dim()
+        if isinstance(p, SymFloat):
+            raise TraceError(f"{what}: the norm's order comes from a hyperparameter or the step: not traceable "
+                             "(a norm's order is structure: it decides which reduction)")
+        num = type(p) in (int, float)
+        if base == "linalg_norm" and nd == 2 and dim is None and not (p is None or p == "fro"):
+            raise TraceError(f"{what}: a matrix norm (singular values, or max/sums of rows and columns): not "
+                             "traceable (torch.linalg.vector_norm is the vector norm of the elements)")
+        if base == "linalg_norm" and p is not None and p != "fro" and nd > 2 and dim is None:
+            raise TraceError(f"{what}: torch.linalg.norm of a tensor of {nd} dimensions with ord=: not traceable")
+        if p in ("fro", None) or num and p == 2:
+            return _core.sqrt(_core.reduce(e, "sum_of_squares", s)), rk
+        if not num:
+            raise TraceError(f"{what}: a norm of order {p!r}: not traceable")
+        if p == float("inf") and scope == "tensor":
+            return _core.tensor_max_abs(e), rk
+        if p in (float("inf"), -float("inf")):
+            raise TraceError(f"{what}: the IR has no max/min reduction "
+                             f"{'along dimensions' if p > 0 else '(the smallest |x|)'}")
+        if p == 0:
+            return _core.reduce(e != 0.0, "sum", s), rk
+        if p == 1:
+            return _core.reduce(_core.abs(e), "sum", s), rk
+        return _core.pow(_core.reduce(_core.pow(_core.abs(e), float(p)), "sum", s), 1.0 / float(p)), rk
 
 
 # --- from an optimizer to a rule
@@ -846,6 +1123,9 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
 
 def traced_rule(opt, group):
     """An optfuse Rule equivalent to one step of `opt` on a parameter of `group` (TraceError if not)."""
+    # The rule's update function runs when the rule is compiled, later: it traces the group as it is
+    # now, not the live dict (an lr scheduler attached after fuse() adds initial_lr to it)
+    group = dict(group)
     layout = _Layout(opt, group)
     if layout.group_states:
         raise TraceError(_group_state_message(type(opt).__name__, layout.group_states))
@@ -862,25 +1142,55 @@ def traced_rule(opt, group):
             others[q.dim()] = probe_shape(group, like=q)
 
     def update(b):
-        p_first, s_first = _explore(opt, group, layout, b, True)
-        p_later, s_later = _explore(opt, group, layout, b, False)
+        traces = {traced_dim: (_explore(opt, group, layout, b, True), _explore(opt, group, layout, b, False))}
         for nd, shape in sorted(others.items()):
-            # one rule per group: the step must be the same math for every dimensionality in it (timm's Mars
-            # runs AdamW on vectors, MARS on matrices; the IR cannot select on a tensor's dimensionality)
-            for first, (pe, se) in ((True, (p_first, s_first)), (False, (p_later, s_later))):
-                try:
-                    op, ost = _explore(opt, group, layout, b, first, shape)
-                except TraceError:
-                    raise
-                except Exception as e:  # noqa: BLE001
-                    op, ost = None, {"?": e}
-                if (op is None or not _same_expr(op, pe) or set(ost) != set(se)
-                        or any(not _same_expr(ost[k], se[k]) for k in se)):
+            try:
+                traces[nd] = (_explore(opt, group, layout, b, True, shape), _explore(opt, group, layout, b, False, shape))
+            except TraceError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                traces[nd] = e
+
+        def same(t, u):
+            if isinstance(t, Exception) or isinstance(u, Exception):
+                return False
+            return all(_same_expr(x[0], y[0]) and set(x[1]) == set(y[1]) and all(_same_expr(x[1][k], y[1][k]) for k in x[1])
+                       for x, y in zip(t, u))
+
+        # one rule per group: the same math for every dimensionality, or one math for vectors (and scalars)
+        # and one for matrices and more (timm's Mars: AdamW on vectors, MARS on matrices; AdamP projects
+        # matrices only), selected by whether the tensor has a matrix view (Op::Shape is_matrix)
+        classes = {}
+        for nd, t in traces.items():
+            classes.setdefault(nd >= 2, []).append((nd, t))
+        for members in classes.values():
+            for nd, t in members[1:]:
+                if not same(t, members[0][1]):
                     raise TraceError(
                         f"{type(opt).__name__}'s step is other math for a parameter of {nd} dimension(s) than for "
-                        f"one of {traced_dim} in the same param group (it branches on the parameter's shape): "
-                        "one param group is one traced rule, and the IR cannot select on a tensor's "
-                        "dimensionality; not traceable yet")
+                        f"one of {members[0][0]} in the same param group (it branches on the parameter's shape): "
+                        "the IR selects on whether a tensor is a matrix (2 or more dimensions) or not; not "
+                        "traceable yet")
+        for members in classes.values():
+            if isinstance(members[0][1], Exception):
+                e = members[0][1]
+                raise TraceError(f"{type(opt).__name__}'s step on a parameter of {members[0][0]} dimension(s) raised "
+                                 f"{type(e).__name__}: {e}")
+        if len(classes) == 2 and not same(classes[False][0][1], classes[True][0][1]):
+            vec, mat = classes[False][0][1], classes[True][0][1]
+            if not hasattr(b, "shape"):
+                raise TraceError(f"{type(opt).__name__}'s step is other math for vectors than for matrices in one "
+                                 "param group, and this build of optfuse._core has no RuleBuilder.shape")
+            is_mat = b.shape("is_matrix")
+
+            def pick(m, v):
+                return _core.select(is_mat, m, v)
+            (p_first, s_first), (p_later, s_later) = [
+                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, b.state(k)), vt[1].get(k, b.state(k)))
+                                      for k in set(mt[1]) | set(vt[1])})
+                for mt, vt in zip(mat, vec)]
+        else:
+            (p_first, s_first), (p_later, s_later) = traces[traced_dim]
         is_first = b.step() == 1.0
         for k in layout.states:
             later = s_later.get(k, b.state(k))
