@@ -10,6 +10,13 @@
 
 namespace optfuse::rules {
 
+namespace {
+// Python's max(a, b): a unless b > a (so a when b is NaN), as torch's Adafactor computes its per-tensor
+// scalars with Python floats.
+Expr py_max(Expr a, Expr b) { return select(b > a, b, a); }
+Expr py_max(double a, Expr b) { return py_max(constant(*b.graph, a), b); }
+}  // namespace
+
 Rule scale_by_adafactor(double lr, double beta2_decay, double eps1, double eps2, double d) {
   Rule r("scale_by_adafactor");
   r.hyper("lr", lr, Range::non_negative()).hyper("beta2_decay", beta2_decay, Range{-1e308, 0, false, false});
@@ -24,7 +31,8 @@ Rule scale_by_adafactor(double lr, double beta2_decay, double eps1, double eps2,
     Expr one_minus_beta2 = b.name(pow(t, b.hyper("beta2_decay")), "one_minus_beta2");
     Expr rho = b.name(min(b.hyper("lr"), 1.0 / sqrt(t)), "rho");
     // Per tensor: alpha = max(eps2, RMS(param)) * rho, from the parameter before this step.
-    Expr alpha = b.name(max(b.hyper("eps2"), sqrt(tensor_sum_of_squares(p)) / sqrt(numel)) * rho, "alpha");
+    // (torch takes Python's max(eps2, rms): a NaN rms gives eps2; py_max below keeps that)
+    Expr alpha = b.name(py_max(b.hyper("eps2"), sqrt(tensor_sum_of_squares(p)) / sqrt(numel)) * rho, "alpha");
     // Per row and per column (float32): the means of g^2, lerped into the factored moments.
     Expr row_var = b.name(lerp(b.state("row_var"), row_sum_of_squares(g) / cols, one_minus_beta2), "row_var_new");
     Expr col_var = b.name(lerp(b.state("col_var"), col_sum_of_squares(g) / rows, one_minus_beta2), "col_var_new");
@@ -36,7 +44,10 @@ Rule scale_by_adafactor(double lr, double beta2_decay, double eps1, double eps2,
     Expr factored = b.name((row_var * col_var) * inv_row_mean, "var_estimate");
     Expr var = select(b.shape(ShapeItem::IsMatrix), factored, row_var);  // a vector's rows are its elements
     Expr update = b.name(rsqrt(max(var, eps1 * eps1)) * g, "adafactor_update");
-    Expr denom = b.name(max(sqrt(tensor_sum_of_squares(update)) / (sqrt(numel) * b.hyper("d")), 1.0), "clip_denom");
+    // torch: max(1.0, rms(update) / d) in Python, 1.0 when a NaN gradient made the RMS NaN: the NaN
+    // stays in its own elements rather than scaling every element of the tensor to NaN
+    Expr denom = b.name(py_max(1.0, sqrt(tensor_sum_of_squares(update)) / (sqrt(numel) * b.hyper("d"))),
+                        "clip_denom");
     return update * -(alpha / denom);
   });
 }

@@ -314,8 +314,9 @@ class FusedFunction:
             for i in idx:
                 if lst[i] is None:
                     lst[i] = torch.zeros_like(params[i], memory_format=torch.preserve_format)
-        ptrs = tuple((params[i].data_ptr(), grads[i].data_ptr()) + tuple(lst[i].data_ptr() for _, lst in used)
-                     for i in idx)
+        # The table is reused only for the very tensors it was built from: pointers and layouts (a
+        # 100-element view of a 4096-element buffer has the buffer's pointer, not its size)
+        ptrs = tuple(tuple(_layout_key(t) for t in (params[i], grads[i], *(lst[i] for _, lst in used))) for i in idx)
         steps = tuple(int(step_list[i]) for i in idx) if step_list is not None else None
         if slot[1] is None or slot[1][0] != ptrs or (steps is not None and slot[1][1] != steps):
             entries = [(params[i], grads[i], [lst[i] for _, lst in used], 0, steps[j] if steps else 0, j,
@@ -328,6 +329,11 @@ class FusedFunction:
             torch._foreach_add_([step_list[i] for i in idx], layout["step_delta"])
             steps = tuple(s + int(layout["step_delta"]) for s in steps)
         slot[1] = (ptrs, steps)
+
+
+def _layout_key(t):
+    """What a table entry depends on in tensor t: its memory, shape, strides and dtype."""
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def fuse_function(fn):

@@ -90,11 +90,17 @@ def _f(x):
 
 class SymFloat(float):
     """A Python float that also carries an optfuse expression (a hyperparameter, the step, or math
-    on them). Arithmetic keeps it symbolic; a comparison used as a Python condition is traced both ways."""
+    on them). Arithmetic keeps it symbolic; a comparison used as a Python condition is traced both ways.
+    `foreign`: where it was made from another parameter of the probe group (its size): it must not reach
+    this parameter's update (see _Recorder)."""
 
-    def __new__(cls, value, expr, paths):
+    foreign = None
+
+    def __new__(cls, value, expr, paths, foreign=None):
         obj = super().__new__(cls, value)
         obj.expr, obj.paths = expr, paths
+        if foreign:
+            obj.foreign = foreign
         return obj
 
     def _lift(self, other):
@@ -114,7 +120,7 @@ class SymFloat(float):
             return NotImplemented
         a, b = (_f(other), _f(self)) if reverse else (_f(self), _f(other))
         ea, eb = (o, self.expr) if reverse else (self.expr, o)
-        return SymFloat(fn(a, b), exprfn(ea, eb), self.paths)
+        return SymFloat(fn(a, b), exprfn(ea, eb), self.paths, self.foreign or getattr(other, "foreign", None))
 
     def __add__(self, o): return self._bin(o, lambda a, b: a + b, lambda a, b: a + b)
     def __radd__(self, o): return self._bin(o, lambda a, b: a + b, lambda a, b: a + b, True)
@@ -126,15 +132,17 @@ class SymFloat(float):
     def __rtruediv__(self, o): return self._bin(o, _safe_div, lambda a, b: a / b, True)
     def __pow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b))
     def __rpow__(self, o): return self._bin(o, _safe_pow, lambda a, b: _core.pow(a, b), True)
-    def __neg__(self): return SymFloat(-_f(self), -self.expr, self.paths)
+    def __neg__(self): return SymFloat(-_f(self), -self.expr, self.paths, self.foreign)
     def __pos__(self): return self
-    def __abs__(self): return SymFloat(abs(_f(self)), _core.abs(self.expr), self.paths)
+    def __abs__(self): return SymFloat(abs(_f(self)), _core.abs(self.expr), self.paths, self.foreign)
 
     def _cmp(self, o, fn, exprfn, op):
         e = self._lift(o)
         if e is None:
             return NotImplemented
-        return self.paths.decide(exprfn(self.expr, e), fn(_f(self), _f(o)), canon=_canon(op, self.expr, e))
+        foreign = self.foreign or getattr(o, "foreign", None)
+        return self.paths.decide(exprfn(self.expr, e), fn(_f(self), _f(o)), canon=_canon(op, self.expr, e),
+                                 foreign=bool(foreign), where=foreign or "?")
 
     def __lt__(self, o): return self._cmp(o, lambda a, b: a < b, lambda a, b: a < b, "lt")
     def __le__(self, o): return self._cmp(o, lambda a, b: a <= b, lambda a, b: a <= b, "le")
@@ -142,7 +150,9 @@ class SymFloat(float):
     def __ge__(self, o): return self._cmp(o, lambda a, b: a >= b, lambda a, b: a >= b, "ge")
     def __eq__(self, o): return self._cmp(o, lambda a, b: a == b, lambda a, b: a == b, "eq")
     def __ne__(self, o): return self._cmp(o, lambda a, b: a != b, lambda a, b: a != b, "ne")
-    def __bool__(self): return self.paths.decide(self.expr != 0.0, _f(self) != 0.0, canon=_canon("ne", self.expr, 0.0))
+    def __bool__(self):
+        return self.paths.decide(self.expr != 0.0, _f(self) != 0.0, canon=_canon("ne", self.expr, 0.0),
+                                 foreign=bool(self.foreign), where=self.foreign or "?")
     __hash__ = float.__hash__
 
     def __int__(self):
@@ -210,7 +220,8 @@ def _symbolic_math(fn, exprfn):
                 value = math.nan
             lifted = [v.expr if isinstance(v, SymFloat) else _f(v) for v in xs]
             paths = next(v.paths for v in xs if isinstance(v, SymFloat))
-            return SymFloat(value, exprfn(*lifted), paths)
+            foreign = next((v.foreign for v in xs if isinstance(v, SymFloat) and v.foreign), None)
+            return SymFloat(value, exprfn(*lifted), paths, foreign)
         return fn(x, *rest)
     return wrapped
 
@@ -278,9 +289,9 @@ class _ProbeDim(int):
     Used as a number (math.sqrt(x.size(1)): timm's AdamP), it is that expression; where none is known it
     is refused, since the probe's size would be frozen into the trace."""
 
-    def __new__(cls, value, expr, paths, what, where):
+    def __new__(cls, value, expr, paths, what, where, foreign=None):
         obj = super().__new__(cls, value)
-        obj.expr, obj.paths, obj.what, obj.where = expr, paths, what, where
+        obj.expr, obj.paths, obj.what, obj.where, obj.foreign = expr, paths, what, where, foreign
         return obj
 
     def expr_or_refuse(self):
@@ -291,7 +302,7 @@ class _ProbeDim(int):
         return self.expr
 
     def sym(self):
-        return SymFloat(float(int(self)), self.expr_or_refuse(), self.paths)
+        return SymFloat(float(int(self)), self.expr_or_refuse(), self.paths, self.foreign)
 
     def _int_op(self, o, fn, exprfn, reverse=False):
         if isinstance(o, bool) or not isinstance(o, int):
@@ -303,7 +314,8 @@ class _ProbeDim(int):
         if isinstance(o, _ProbeDim) and o.expr is None:
             eo = None
         e = None if self.expr is None or eo is None else (exprfn(eo, self.expr) if reverse else exprfn(self.expr, eo))
-        return _ProbeDim(fn(a, b), e, self.paths, self.what, self.where)
+        return _ProbeDim(fn(a, b), e, self.paths, self.what, self.where,
+                         self.foreign or getattr(o, "foreign", None))
 
     def __add__(self, o): return self._int_op(o, lambda a, b: a + b, lambda a, b: a + b)
     def __radd__(self, o): return self._int_op(o, lambda a, b: a + b, lambda a, b: a + b, True)
@@ -383,9 +395,11 @@ class _Recorder(TorchFunctionMode):
         if isinstance(x, _ProbeCount):
             x._refuse()
         if isinstance(x, _ProbeDim):
-            return x.expr_or_refuse(), "tensor"
+            return x.expr_or_refuse(), "foreign" if x.foreign else "tensor"
         if isinstance(x, SymFloat):
-            return x.expr, "uniform"
+            if x.foreign and self.mixed_at is None:
+                self.mixed_at = x.foreign
+            return x.expr, "foreign" if x.foreign else "uniform"
         if isinstance(x, bool):
             return self.b.constant(1.0 if x else 0.0), "uniform"
         if isinstance(x, (int, float)):
@@ -414,9 +428,11 @@ class _Recorder(TorchFunctionMode):
             raise TraceError(f"torch op '{name}' at {_where()} returns several tensors: not traceable")
         if name in ("numel", "nelement") and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
                 and self.expr[self.key(args[0])][1] != "uniform":
-            if self.expr[self.key(args[0])][1] != "foreign" and out == self.param_numel and hasattr(self.b, "shape"):
-                # the parameter's element count: an input of the rule (Op::Shape), not the probe's number
-                return SymFloat(float(out), self.b.shape("numel"), self.paths)
+            if out == self.param_numel and hasattr(self.b, "shape"):
+                # the parameter's element count: an input of the rule (Op::Shape), not the probe's number;
+                # another parameter's is marked foreign (a count summed over the group must not reach the update)
+                foreign = _where() if self.expr[self.key(args[0])][1] == "foreign" else None
+                return SymFloat(float(out), self.b.shape("numel"), self.paths, foreign)
             return _ProbeCount(out, _where())
         if (name == "size" or name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "shape") \
                 and args and torch.is_tensor(args[0]) and self.key(args[0]) in self.expr \
@@ -470,13 +486,13 @@ class _Recorder(TorchFunctionMode):
     def sizes(self, t, out, name, args, kwargs):
         """p.shape / p.size() / p.size(i) of a recorded tensor: _ProbeDims (see there)."""
         where = _where()
-        foreign = self.expr[self.key(t)][1] == "foreign"
-        runs = None if foreign or not hasattr(self.b, "shape") else self.runs(tuple(t.shape))
+        foreign = where if self.expr[self.key(t)][1] == "foreign" else None
+        runs = None if not hasattr(self.b, "shape") else self.runs(tuple(t.shape))
         dims = []
         for i, n in enumerate(t.shape):
             e = self.size_expr(runs[i]) if runs is not None else None
             what = f"dimension {i} of a tensor of shape {tuple(t.shape)}" + (" (another parameter's)" if foreign else "")
-            dims.append(_ProbeDim(n, e, self.paths, what, where))
+            dims.append(_ProbeDim(n, e, self.paths, what, where, foreign))
         if isinstance(out, int):
             i = args[1] if len(args) > 1 else kwargs.get("dim")
             return dims[i]
@@ -645,8 +661,8 @@ class _Recorder(TorchFunctionMode):
         broadcasts by position: (rows,) against (rows, cols) would be per column (refused)."""
         lines = [a for a in list(args) + list(kw.values()) if torch.is_tensor(a) and self.key(a) in self.expr
                  and self.expr[self.key(a)][1] in ("row", "col")]
-        if not lines or not torch.is_tensor(out):
-            return
+        if not lines or not torch.is_tensor(out) or rk not in ("element", "row", "col"):
+            return  # (a reduction of them, or another parameter's)
         P = self.param_shape
         rows = self.param_numel // P[-1]
         for a in lines:
@@ -685,6 +701,28 @@ class _Recorder(TorchFunctionMode):
             return _core.logical_and(count(x > y) > 0.0, nan_free), "tensor"
         return _core.logical_and(count(x >= y) > 0.0, nan_free), "tensor"
 
+    def filled_reduction(self, base, p, x, dim, e, k, what):
+        """A reduction of a parameter-shaped tensor whose elements all hold one value e (zeros_like(p) on the
+        first step, a per-tensor value expanded): from e and the element count of the scope."""
+        scope = self.scope_of(x, dim, what)
+        n = self.b.shape({"tensor": "numel", "row": "cols", "col": "rows"}[scope])
+        rk = "tensor" if scope == "tensor" else scope
+        if base in ("sum", "nansum"):
+            root = self.square_of.get(self.key(x))
+            return (root * root * n if root is not None else e * n), rk
+        if base in ("mean", "nanmean", "max", "min", "amax", "amin"):
+            root = self.square_of.get(self.key(x))
+            return (root * root if root is not None else e), rk
+        if base in ("norm", "linalg_vector_norm") or base == "linalg_norm" and (p is None or p == "fro"):
+            if p in ("fro", None) or type(p) in (int, float) and p == 2:
+                return _core.abs(e) * _core.sqrt(n), rk
+            if type(p) in (int, float) and p == float("inf"):
+                return _core.abs(e), rk
+            if type(p) in (int, float) and p > 0:
+                return _core.abs(e) * _core.pow(n, 1.0 / float(p)), rk
+        raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (every element one "
+                         "value per tensor or per step): not traceable")
+
     def scope_of(self, x, dims, what):
         """The IR scope of a reduction of x (a tensor of the parameter's elements) over `dims` (None: all):
         "tensor", "row" (the last dimension of the parameter, a matrix) or "col" (the one before)."""
@@ -717,6 +755,8 @@ class _Recorder(TorchFunctionMode):
             raise TraceError(f"{what}: of tensors of different shapes (broadcast): not traceable")
         scope = self.scope_of(x1, dim, what)
         (a, ka), (c, kc) = self.of(x1, where), self.of(x2, where)
+        if "foreign" in (ka, kc):
+            return a, "foreign"  # another parameter's (see reduction)
         for k in (ka, kc):
             if k not in ("element", "foreign"):
                 raise TraceError(f"{what}: of a {k} value: the IR reduces per-element values only")
@@ -745,6 +785,18 @@ class _Recorder(TorchFunctionMode):
         return None
 
     def reduction(self, name, base, args, kw, where):
+        x = args[0] if args else kw.get("input")
+        if torch.is_tensor(x) and self.key(x) in self.expr and self.expr[self.key(x)][1] == "foreign":
+            # another parameter's value: it must never reach this parameter's update (refused where it does),
+            # so what it reduces to only has to be foreign, not right (its per-row values are not tracked)
+            try:
+                res, _ = self.reduction_of(name, base, args, kw, where)
+            except TraceError:
+                res = self.expr[self.key(x)][0]
+            return res, "foreign"
+        return self.reduction_of(name, base, args, kw, where)
+
+    def reduction_of(self, name, base, args, kw, where):
         """A reduction the IR has, as (expr, kind): of the parameter's elements over the whole tensor
         (sum, mean, 2-norms, p-norms, the max of |x|), its rows or its columns (dim= of a matrix: row and
         column values); of per-row values over the tensor (sum, mean; max only compared); of a one-element
@@ -794,6 +846,8 @@ class _Recorder(TorchFunctionMode):
                              "values over a tensor (sum(), mean()), and compares their max() with a value; not more")
         if k == "rowmax":
             raise TraceError(f"{what}: of the largest of per-row values: not traceable")
+        if k in ("uniform", "tensor") and x.numel() == self.param_numel and x.numel() > 1:
+            return self.filled_reduction(base, p, x, dim, e, k, what)
         if k not in ("element", "foreign"):
             raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
                              "elements all hold one value per tensor or per step): the IR reduces per-element "
