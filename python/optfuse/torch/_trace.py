@@ -905,7 +905,7 @@ class _Recorder(TorchFunctionMode):
 
 PROBE_ELEMENTS = 8   # a probe parameter's size when the group has none to copy the dimensions of
 LATER_STEP = 3       # the step count a "later step" trace starts from
-MAX_PATHS = 16       # symbolic Python branches: at most this many paths per trace
+MAX_PATHS = 64       # symbolic Python branches: at most this many paths per trace
 
 
 def _numeric(v):
