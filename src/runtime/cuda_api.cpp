@@ -10,10 +10,12 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <utility>
 
 #include "runtime/disk_cache.h"
+#include "runtime/sha256.h"
 
 namespace optfuse::cuda {
 namespace {
@@ -283,16 +285,27 @@ CompileResult compile(const std::string& source, const std::string& program_name
   std::vector<std::string> opts = {"-std=c++17", "--gpu-architecture=sm_" + std::to_string(arch),
                                    "-default-device"};
   opts.insert(opts.end(), extra_options.begin(), extra_options.end());
-  // Cache key: everything that determines the CUBIN. Two FNV-1a hashes with different prefixes
-  // make a 128-bit key, so a collision does not silently load the wrong kernel.
-  std::string key_text = "optfuse-cuda-v1\nnvrtc " + nvrtc_state().detail + "\n";
-  for (const auto& o : opts) key_text += o + "\n";
+  // Cache key: the SHA-256 of everything that determines the CUBIN (see disk_cache.h for what is
+  // checked before an entry is used: the bytes handed to the driver are the ones verified).
+  std::string key_text = "optfuse-cuda-v2\nnvrtc " + nvrtc_state().detail + "\n";
+  for (const auto& o : opts) key_text += std::to_string(o.size()) + ":" + o + "\n";
   key_text += "--\n" + source;
-  const std::string key = content_hash(key_text) + content_hash("#" + key_text);
+  const std::string key = sha256_hex(key_text);
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
-  DiskCache cache("cuda");
-  if (auto hit = use_cache ? cache.load(key, ".cubin") : std::nullopt; hit && looks_like_elf(*hit))
-    return CompileResult{std::move(*hit), {}, elapsed(), true};  // a damaged entry is recompiled
+  std::optional<DiskCache> cache;
+  DiskCache::Lock file_lock;
+  if (use_cache) {
+    cache.emplace("cuda");  // unusable (with one warning) if the directory cannot be trusted
+    auto hit = [&]() -> std::optional<std::string> {
+      auto e = cache->load(key, ".cubin", true);
+      if (e && looks_like_elf(e->payload)) return std::move(e->payload);
+      return std::nullopt;
+    };
+    if (auto h = hit()) return CompileResult{std::move(*h), {}, elapsed(), true};
+    file_lock = cache->lock(key);  // one NVRTC compile per key across processes
+    if (auto h = hit()) return CompileResult{std::move(*h), {}, elapsed(), true};
+    cache->remove_stale();
+  }
   // Reject an unknown architecture up front: NVRTC's own message ("invalid value for
   // --gpu-architecture") does not say which ones it supports.
   int n_archs = 0;
@@ -333,7 +346,7 @@ CompileResult compile(const std::string& source, const std::string& program_name
   if (!looks_like_elf(cubin))
     throw Error("NVRTC produced no CUBIN for '" + program_name + "' (sm_" + std::to_string(arch) +
                 "); was a virtual architecture requested?");
-  if (use_cache) cache.store(key, ".cubin", cubin);  // best effort
+  if (cache) cache->store(key, ".cubin", cubin);  // best effort: a read-only or full cache is no error
   return CompileResult{std::move(cubin), std::move(log), elapsed(), false};
 }
 

@@ -61,8 +61,9 @@ struct CompileResult {
 // Compiles CUDA C++ with NVRTC for sm_<arch> into a CUBIN; needs no GPU. Options are always
 // -std=c++17 --gpu-architecture=sm_<arch> -default-device, then extra_options. Fast-math options
 // (--use_fast_math, --prec-div=false, --prec-sqrt=false) are refused: kernels need IEEE sqrt/div.
-// Results are cached (DiskCache("cuda"), keyed on source, arch, NVRTC version and options) unless
-// OPTFUSE_NO_CACHE=1; a hit does not invoke the compiler. A compile error throws optfuse::Error with
+// Results are cached (DiskCache("cuda"), keyed on the SHA-256 of source, arch, NVRTC version and
+// options; an entry is verified against its recorded SHA-256 before use, one compile per key across
+// processes) unless OPTFUSE_NO_CACHE=1; a hit does not invoke the compiler. A compile error throws optfuse::Error with
 // the NVRTC log and the first 40 source lines, numbered.
 CompileResult compile(const std::string& source, const std::string& program_name, int arch,
                       const std::vector<std::string>& extra_options = {});

@@ -1,9 +1,9 @@
 #include "runtime/host_compiler.h"
 
-#include <dirent.h>
 #include <dlfcn.h>
 #include <fcntl.h>
-#include <spawn.h>
+#include <signal.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/utsname.h>
 #include <sys/wait.h>
@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <unordered_map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -22,6 +23,7 @@
 
 #include "optfuse/error.h"
 #include "runtime/disk_cache.h"
+#include "runtime/sha256.h"
 
 extern char** environ;
 
@@ -39,29 +41,67 @@ struct ProcessResult {
   std::string output;  // stdout and stderr interleaved
 };
 
-// posix_spawn rather than system()/popen(): arguments go to the program verbatim, never through a
-// shell, so nothing in a path, flag or environment variable can be interpreted as a command.
-ProcessResult run_process(const std::vector<std::string>& args) {
+// fork+execve rather than system()/popen(): arguments go to the program verbatim, never through a
+// shell, so nothing in a path, flag or environment variable can be interpreted as a command. Not
+// posix_spawn: the child sets PR_SET_PDEATHSIG first, so a compiler whose caller is killed (kill -9)
+// dies too instead of writing into a directory nobody will clean. `env_extra` ("NAME=value")
+// entries replace the inherited ones of the same name.
+ProcessResult run_process(const std::vector<std::string>& args, const std::vector<std::string>& env_extra = {}) {
+  // Everything the child needs is prepared before fork: after it, only async-signal-safe calls.
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const std::string& e : env_extra) envp.push_back(const_cast<char*>(e.c_str()));
+  for (char** e = environ; e && *e; ++e) {
+    bool replaced = false;
+    for (const std::string& x : env_extra) {
+      size_t n = x.find('=') + 1;
+      replaced = replaced || std::strncmp(*e, x.c_str(), n) == 0;
+    }
+    if (!replaced) envp.push_back(*e);
+  }
+  envp.push_back(nullptr);
   int fds[2];
   // O_CLOEXEC: another thread spawning at the same time must not inherit our write end, or our
   // read below would not see EOF until that unrelated child exits.
   if (::pipe2(fds, O_CLOEXEC) != 0)
     throw Error(std::string("optfuse: pipe() failed: ") + std::strerror(errno));
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-  posix_spawn_file_actions_adddup2(&fa, fds[1], 2);
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  int rc = ::posix_spawn(&pid, argv[0], &fa, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&fa);
+  int err_pipe[2];  // reports a failed execve (errno) to the parent; closed by a successful one
+  if (::pipe2(err_pipe, O_CLOEXEC) != 0) {
+    ::close(fds[0]), ::close(fds[1]);
+    throw Error(std::string("optfuse: pipe() failed: ") + std::strerror(errno));
+  }
+  const pid_t parent = ::getpid();
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);  // the parent died before prctl took effect
+    int devnull = ::open("/dev/null", O_RDONLY);
+    if (devnull < 0 || ::dup2(devnull, 0) < 0 || ::dup2(fds[1], 1) < 0 || ::dup2(fds[1], 2) < 0) ::_exit(127);
+    ::execve(argv[0], argv.data(), envp.data());
+    int e = errno;
+    ssize_t ignored = ::write(err_pipe[1], &e, sizeof e);
+    (void)ignored;
+    ::_exit(127);
+  }
+  const int fork_errno = errno;
   ::close(fds[1]);
-  if (rc != 0) {
+  ::close(err_pipe[1]);
+  if (pid < 0) {
+    ::close(fds[0]), ::close(err_pipe[0]);
+    throw Error("optfuse: cannot run " + args[0] + ": fork: " + std::strerror(fork_errno));
+  }
+  int exec_errno = 0;
+  ssize_t got_err;
+  do got_err = ::read(err_pipe[0], &exec_errno, sizeof exec_errno);
+  while (got_err < 0 && errno == EINTR);
+  ::close(err_pipe[0]);
+  if (got_err == static_cast<ssize_t>(sizeof exec_errno)) {
     ::close(fds[0]);
-    throw Error("optfuse: cannot run " + args[0] + ": " + std::strerror(rc));
+    while (::waitpid(pid, nullptr, 0) < 0 && errno == EINTR) {
+    }
+    throw Error("optfuse: cannot run " + args[0] + ": " + std::strerror(exec_errno));
   }
   ProcessResult r;
   char buf[4096];
@@ -136,7 +176,7 @@ std::optional<Compiler> try_compiler(const std::string& name, const std::string&
            "): " + r.output.substr(0, 500);
     return std::nullopt;
   }
-  return Compiler{*path, first};
+  return Compiler{*path, first, r.output};
 }
 
 std::optional<Compiler> find_compiler_uncached(const std::string& optfuse_cxx,
@@ -190,53 +230,8 @@ bool env_flag(const char* name) {
   return !v.empty() && v != "0";
 }
 
-std::string make_temp_dir() {
-  std::string base = env_or_empty("TMPDIR");
-  if (base.empty()) base = "/tmp";
-  std::string templ = base + "/optfuse-cc-XXXXXX";
-  std::vector<char> buf(templ.begin(), templ.end());
-  buf.push_back('\0');
-  if (!::mkdtemp(buf.data()))
-    throw Error("optfuse: cannot create a temp dir under " + base + ": " + std::strerror(errno));
-  return buf.data();
-}
-
-// Only flat directories are ever created here, so no recursion is needed.
-void remove_dir(const std::string& dir) {
-  if (DIR* d = ::opendir(dir.c_str())) {
-    while (dirent* e = ::readdir(d)) {
-      std::string n = e->d_name;
-      if (n != "." && n != "..") ::unlink((dir + "/" + n).c_str());
-    }
-    ::closedir(d);
-  }
-  ::rmdir(dir.c_str());
-}
-
-// Uncached objects must outlive the call (the caller loads them later), so they are removed at
-// exit instead; unlinking a file that is still dlopen'ed is harmless on POSIX.
-class LeftoverDirs {
- public:
-  void add(const std::string& dir) {
-    std::lock_guard<std::mutex> lk(mu_);
-    dirs_.push_back(dir);
-  }
-  ~LeftoverDirs() {
-    for (const auto& d : dirs_) remove_dir(d);
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<std::string> dirs_;
-};
-
-LeftoverDirs& leftover_dirs() {
-  static LeftoverDirs dirs;
-  return dirs;
-}
-
-// DiskCache::store names its temp file by pid only, so two threads storing the same key would
-// write the same temp file; one lock per key also makes the second thread a cache hit.
+// In-process serialisation per key (the cache's lock file serialises processes): the second
+// thread then finds the first one's entry.
 std::shared_ptr<std::mutex> key_lock(const std::string& key) {
   static std::mutex mu;
   static std::map<std::string, std::shared_ptr<std::mutex>> locks;
@@ -246,10 +241,25 @@ std::shared_ptr<std::mutex> key_lock(const std::string& key) {
   return m;
 }
 
-long file_size(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return -1;
-  return static_cast<long>(st.st_size);
+// Removes a work directory on every way out of a compile.
+struct WorkDir {
+  std::string path;
+  ~WorkDir() {
+    if (!path.empty()) remove_tree(path);
+  }
+};
+
+// The path dlopen is given for a checked file: /proc/self/fd/N of a descriptor kept open for the
+// rest of the process, one per distinct content. Kept open because glibc's dlopen first matches
+// the name against loaded objects: a closed and reused descriptor number would hand back the
+// object loaded earlier under that name.
+std::string loadable_path(UniqueFd fd, const Sha256::Digest& digest) {
+  static std::mutex mu;
+  static std::map<Sha256::Digest, int> fds;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = fds.find(digest);
+  if (it == fds.end()) it = fds.emplace(digest, fd.release()).first;
+  return "/proc/self/fd/" + std::to_string(it->second);
 }
 
 std::string numbered_head(const std::string& source, int max_lines) {
@@ -263,6 +273,34 @@ std::string numbered_head(const std::string& source, int max_lines) {
   }
   if (std::getline(in, line)) out += "     ... (truncated)\n";
   return out;
+}
+
+// (cache root, key material) -> what compile_shared_object returned for it in this process.
+class VerifiedKernels {
+ public:
+  std::optional<CompileResult> find(const std::string& k) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = map_.find(k);
+    if (it == map_.end()) return std::nullopt;
+    return it->second;
+  }
+  void add(const std::string& k, const CompileResult& r) {
+    std::lock_guard<std::mutex> lk(mu_);
+    map_.emplace(k, r);
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lk(mu_);
+    map_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, CompileResult> map_;
+};
+
+VerifiedKernels& verified_kernels() {
+  static VerifiedKernels v;
+  return v;
 }
 
 }  // namespace
@@ -305,51 +343,71 @@ CompileResult compile_shared_object(const std::string& source,
 
   std::vector<std::string> flags = default_compile_flags();
   flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
-  std::string material = "optfuse-host-so-v1";
-  for (const std::string& part : {cc->path, cc->identity, cpu_features()}) material += '\0' + part;
-  for (const auto& f : flags) material += '\0' + f;
-  material += '\0' + source;
-  const std::string key = content_hash(material);
+  // Every part is length-prefixed, so no two different lists of parts make the same text.
+  std::string material;
+  auto part = [&](const std::string& s) { material += std::to_string(s.size()) + ":" + s; };
+  part("optfuse-host-so-v2");
+  for (const std::string& p : {cc->path, cc->version, cpu_features()}) part(p);
+  for (const auto& f : flags) part(f);
+  part(source);
 
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
-  DiskCache cache("cpu");
+  // A kernel this process already verified and loaded is not read from disk again: its bytes are
+  // held by an open descriptor (loadable_path), and dlopen would return the mapped object anyway.
+  const std::string memo_key = use_cache ? cache_root() + '\0' + material : std::string();
+  if (use_cache) {
+    if (auto hit = verified_kernels().find(memo_key)) return {hit->so_path, true, elapsed(), hit->cache_path};
+  }
+  const std::string key = sha256_hex(material);
+  auto remember = [&](CompileResult r) {
+    if (use_cache) verified_kernels().add(memo_key, r);
+    return r;
+  };
+
+  std::optional<DiskCache> cache;
   std::shared_ptr<std::mutex> lock_holder;
   std::unique_lock<std::mutex> key_guard;
+  DiskCache::Lock file_lock;
   if (use_cache) {
+    cache.emplace("cpu");  // warns once and is unusable if the directory cannot be trusted
     lock_holder = key_lock(key);
     key_guard = std::unique_lock<std::mutex>(*lock_holder);
-    std::string cached = cache.path_for(key, ".so");
-    if (file_size(cached) > 0) return {cached, true, elapsed()};
+    if (cache->usable()) {
+      // Checked without the lock first: a warm cache never waits for another process.
+      if (auto e = cache->load(key, ".so", false))
+        return remember({loadable_path(std::move(e->fd), e->digest), true, elapsed(), cache->path_for(key, ".so")});
+      file_lock = cache->lock(key);
+      if (auto e = cache->load(key, ".so", false))  // another process compiled it while we waited
+        return remember({loadable_path(std::move(e->fd), e->digest), true, elapsed(), cache->path_for(key, ".so")});
+      cache->remove_stale();
+    }
   }
 
-  std::string dir = make_temp_dir();
-  const std::string src_path = dir + "/kernel_" + key + ".cpp";
-  const std::string so_path = dir + "/kernel_" + key + ".so";
+  const bool cached = cache && cache->usable();
+  WorkDir work{cached ? cache->make_work_dir() : make_private_temp_dir()};
+  if (work.path.empty()) throw Error("optfuse: cannot create a temporary directory for the host compiler: " + std::string(std::strerror(errno)));
+  const std::string src_path = work.path + "/kernel.cpp";
+  const std::string so_path = work.path + "/kernel.so";
   {
     std::ofstream out(src_path, std::ios::binary);
     out << source;
     out.close();
-    if (!out) {
-      remove_dir(dir);
-      throw Error("optfuse: cannot write " + src_path);
-    }
+    if (!out) throw Error("optfuse: cannot write " + src_path);
   }
   std::vector<std::string> args{cc->path};
   args.insert(args.end(), flags.begin(), flags.end());
   args.insert(args.end(), {"-o", so_path, src_path});
-  ProcessResult r;
-  try {
-    r = run_process(args);
-  } catch (...) {
-    remove_dir(dir);
-    throw;
-  }
-  if (r.exit_code != 0 || r.signal != 0 || file_size(so_path) <= 0) {
-    remove_dir(dir);
+  // TMPDIR: the compiler's own temporary files live (and die) with the work directory.
+  ProcessResult r = run_process(args, {"TMPDIR=" + work.path});
+  UniqueFd so_fd(::open(so_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
+  struct stat st;
+  const bool produced = so_fd && ::fstat(so_fd.get(), &st) == 0 && untrusted_reason(st, false).empty() && st.st_size > 0;
+  if (r.exit_code != 0 || r.signal != 0 || !produced) {
     std::string cmd;
     for (const auto& a : args) cmd += (cmd.empty() ? "" : " ") + a;
     std::string status = r.signal ? "killed by signal " + std::to_string(r.signal)
                                   : "exit status " + std::to_string(r.exit_code);
+    if (r.exit_code == 0 && r.signal == 0) status += ", but no usable " + so_path;
     std::string output = r.output;
     const size_t cap = 16000;  // template errors can run to megabytes
     if (output.size() > cap) output = output.substr(0, cap) + "\n... (compiler output truncated)\n";
@@ -357,27 +415,23 @@ CompileResult compile_shared_object(const std::string& source,
                 "\n--- compiler output ---\n" + output + "--- source (first 40 lines) ---\n" +
                 numbered_head(source, 40));
   }
-
-  if (use_cache) {
-    std::ifstream in(so_path, std::ios::binary);
-    std::ostringstream bytes;
-    bytes << in.rdbuf();
-    const std::string b = bytes.str();
-    const std::string cached = cache.path_for(key, ".so");
-    // The size check catches a short write that store() did not notice (it does not check close).
-    if (!b.empty() && cache.store(key, ".so", b)) {
-      if (file_size(cached) == static_cast<long>(b.size())) {
-        remove_dir(dir);
-        return {cached, false, elapsed()};
-      }
-      ::unlink(cached.c_str());
-    }
-    // Unwritable cache: the object in the temp dir is still usable, just not persistent.
+  // The bytes stored and the bytes loaded are the ones hashed here, read through the descriptor
+  // that dlopen will use (the work directory is private, and removed before returning).
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  for (size_t at = 0; at < bytes.size();) {
+    ssize_t got = ::pread(so_fd.get(), &bytes[at], bytes.size() - at, static_cast<off_t>(at));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) throw Error("optfuse: cannot read " + so_path + ": " + std::strerror(errno));
+    at += static_cast<size_t>(got);
   }
-  ::unlink(src_path.c_str());
-  leftover_dirs().add(dir);
-  return {so_path, false, elapsed()};
+  const Sha256::Digest digest = sha256(bytes.data(), bytes.size());
+  std::string cache_path;
+  if (cached && cache->store(key, ".so", bytes)) cache_path = cache->path_for(key, ".so");
+  // A read-only or full cache: the compiled object is still loadable, just not kept.
+  return remember({loadable_path(std::move(so_fd), digest), false, elapsed(), cache_path});
 }
+
+void forget_verified_kernels() { verified_kernels().clear(); }
 
 SharedLibrary::SharedLibrary(const std::string& path) : path_(path) {
   handle_ = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);

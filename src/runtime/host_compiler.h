@@ -14,6 +14,7 @@ namespace optfuse::host {
 struct Compiler {
   std::string path;      // absolute path of the executable
   std::string identity;  // first line of `<path> --version`
+  std::string version;   // all of `<path> --version` (part of the cache key), run once per process
 };
 
 // Finds a working C++ compiler: $OPTFUSE_CXX, else $CXX, else c++, g++, clang++ on PATH.
@@ -28,19 +29,33 @@ std::optional<Compiler> find_compiler(std::string* why);
 const std::vector<std::string>& default_compile_flags();
 
 struct CompileResult {
-  std::string so_path;  // loadable path; stays valid until process exit
+  // Loadable path, valid until process exit: /proc/self/fd/N of a descriptor, kept open for the
+  // process, on a file whose bytes were checked (a cache entry against its recorded SHA-256, or
+  // the compiler's fresh output), so dlopen maps exactly what was checked whatever happens to
+  // the cache's files afterwards.
+  std::string so_path;
   bool from_cache;
   double seconds;  // wall time of the whole call
+  std::string cache_path;  // the cache entry read or written; empty if the cache was not used
 };
 
-// Compiles C++17 source into a shared object, cached in DiskCache("cpu") under a key made of the
-// source, the compiler path and identity, all flags, and the CPU feature flags. Concurrent calls
-// for the same key within a process compile once. OPTFUSE_NO_CACHE=1 bypasses the cache (the
-// object is then left in a private temp dir that is removed at process exit).
+// Compiles C++17 source into a shared object, cached in DiskCache("cpu") under the SHA-256 of the
+// source, the compiler's path and full --version output, all flags, and the CPU feature flags
+// (see disk_cache.h for what is checked before an entry is used). Concurrent calls for the same
+// key compile once, within a process and across processes (a lock file beside the entry). The
+// compiler runs in a work directory (its TMPDIR too) that is removed on every way out, and dies
+// with the calling thread (PR_SET_PDEATHSIG); one left by a kill -9 is removed by the next
+// compile. OPTFUSE_NO_CACHE=1 bypasses the cache: nothing is read from or written to it, and the
+// private temporary directory is gone when this returns.
 // Throws optfuse::BackendUnavailable if there is no compiler, optfuse::Error (with the compiler
 // output and the first 40 numbered source lines) if compilation fails.
 CompileResult compile_shared_object(const std::string& source,
                                     const std::vector<std::string>& extra_flags = {});
+
+// compile_shared_object remembers, per process, the kernels it verified and loaded, and returns
+// them again without reading the cache. Tests that damage the cache between two compiles of one
+// source, and benchmarks of the first load in a process, call this to make it look again.
+void forget_verified_kernels();
 
 // A dlopen'ed shared object (RTLD_NOW | RTLD_LOCAL), closed on destruction.
 class SharedLibrary {
