@@ -10,6 +10,7 @@ using Argv = std::vector<std::string>;
 int explain_command(const Argv& args);  // optfuse explain SPEC [--backend cpu|cuda] [--source|--source-only] [--compile] [--arch N]
 int check_command(const Argv& args);    // optfuse check [SPEC] [--backend B] [--dtype D] [--steps N]
 int bench_command(const Argv& args);    // optfuse bench [--chain SPEC] [--workload W] [--backend B] ...
+int cache_command(const Argv& args);    // optfuse cache [--verify] [--clear]
 
 // Small shared helpers for option parsing: "--name value" pairs and flags.
 struct Options {

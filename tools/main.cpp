@@ -20,6 +20,8 @@ const char* kUsage =
     "  bench [--chain SPEC] [--workload gpt2-small|llama-1b|many-small|one-big|cpu-default] [--backend cpu|cuda]\n"
     "        [--scale F] [--dtype float32|bfloat16|float16] [--steps N] [--warmup N] [--threads N] [--json FILE]\n"
     "      time a step and report it as a fraction of the measured copy-bandwidth floor\n"
+    "  cache [--verify] [--clear]\n"
+    "      where the kernel cache is, its size and entries; --verify checks every entry; --clear removes them\n"
     "SPEC example: \"chain(clip_by_global_norm(1.0), adamw(lr=1e-3, weight_decay=0.01))\"\n";
 
 // `optfuse CMD --help`: CMD's lines of kUsage (its "  CMD ..." line and the indented ones after it).
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
     if (cmd == "explain") return optfuse::cli::explain_command(args);
     if (cmd == "check") return optfuse::cli::check_command(args);
     if (cmd == "bench") return optfuse::cli::bench_command(args);
+    if (cmd == "cache") return optfuse::cli::cache_command(args);
     std::fprintf(stderr, "optfuse: unknown command '%s'\n%s", cmd.c_str(), kUsage);
     return 2;
   } catch (const std::exception& e) {

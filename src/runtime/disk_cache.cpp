@@ -433,4 +433,53 @@ bool DiskCache::remove(const std::string& name) const {
   return ::fstatat(dir_fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0;
 }
 
+namespace {
+const char* const kKinds[] = {"cpu", "cuda"};
+
+// The key an entry file name was stored under: its name without the extension.
+std::string key_of(const std::string& name) {
+  for (const char* ext : kExtensions)
+    if (ends_with(name, ext)) return name.substr(0, name.size() - std::strlen(ext));
+  return name;
+}
+}  // namespace
+
+CacheReport inspect_cache(bool verify) {
+  CacheReport r;
+  r.root = cache_root();
+  for (const char* kind : kKinds) {
+    DiskCache c(kind);
+    CacheReport::Kind k;
+    k.name = kind;
+    k.dir = c.dir();
+    k.refused = c.refused_because();
+    if (c.usable()) {
+      for (const auto& n : list_dir(c.dir_fd_.get())) {
+        struct stat st;
+        if (::fstatat(c.dir_fd_.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+          k.bytes += static_cast<uint64_t>(st.st_size);
+      }
+      for (const auto& n : c.entry_names()) {
+        ++k.entries;
+        if (!verify) continue;
+        std::string why = c.check(n, key_of(n));
+        if (!why.empty()) k.bad.emplace_back(c.dir() + "/" + n, why);
+      }
+    }
+    r.kinds.push_back(std::move(k));
+  }
+  return r;
+}
+
+int clear_cache() {
+  int removed = 0;
+  for (const char* kind : kKinds) {
+    DiskCache c(kind);
+    if (!c.usable()) continue;
+    for (const auto& n : list_dir(c.dir_fd_.get()))
+      if (c.remove(n)) ++removed;
+  }
+  return removed;
+}
+
 }  // namespace optfuse

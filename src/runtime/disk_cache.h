@@ -32,6 +32,8 @@
 
 namespace optfuse {
 
+struct CacheReport;
+
 // An owned file descriptor (closed on destruction).
 class UniqueFd {
  public:
@@ -131,8 +133,27 @@ class DiskCache {
   bool remove(const std::string& name) const;
 
  private:
+  friend CacheReport inspect_cache(bool);
+  friend int clear_cache();
   std::string dir_, refused_;
   UniqueFd dir_fd_;
 };
+
+// What `optfuse cache` shows: per artifact kind ("cpu", "cuda"), where, how big, which entries
+// fail their checks (only with `verify`: that reads and hashes every entry).
+struct CacheReport {
+  struct Kind {
+    std::string name, dir, refused;  // refused: why the directory is not used (empty if it is)
+    uint64_t bytes = 0;               // entries and anything else in the directory
+    int entries = 0;
+    std::vector<std::pair<std::string, std::string>> bad;  // (entry path, why)
+  };
+  std::string root;
+  std::vector<Kind> kinds;
+};
+CacheReport inspect_cache(bool verify);
+// Removes every entry, lock and leftover temporary file of the cache (not the directories);
+// returns how many were removed. A refused directory is left alone.
+int clear_cache();
 
 }  // namespace optfuse
