@@ -39,7 +39,9 @@ import collections
 import contextlib
 import math
 import os
+import signal
 import struct
+import threading
 
 import torch
 
@@ -328,18 +330,21 @@ class Muon(torch.optim.Optimizer):
         if self._of_dirty or sigs != self._sigs or not self._fresh():
             self._rebuild(sigs)
         self._push_hypers()
-        for src, dst in self._copies:
-            dst.copy_(src)
-        for e in self._engines_in.values():
-            e.step(None, None)
-        for bucket in self._buckets:
-            bucket.orthogonalise()
-        for e in self._engines_out.values():
-            e.step(None, None)
+        # the momentum pass, Newton-Schulz and the apply pass happen together or not at all: a
+        # KeyboardInterrupt during them is raised once they are done
+        with _interrupts_deferred():
+            for src, dst in self._copies:
+                dst.copy_(src)
+            for e in self._engines_in.values():
+                e.step(None, None)
+            for bucket in self._buckets:
+                bucket.orthogonalise()
+            for e in self._engines_out.values():
+                e.step(None, None)
         return loss
 
     def _fresh(self):
-        r = self._watch.check()
+        r = self._watch.check(self.state)  # (parameters and momentum buffers too: _watch_tables)
         if r == 0:
             return True
         if r == 1 and not self._copies:  # new gradient tensors of the same parameters: patch pointers
@@ -427,6 +432,9 @@ class Muon(torch.optim.Optimizer):
         self._engines_out = self._engines(self._engines_out, out_entries, apply_rule)
         self._buckets = list(buckets.values())
         self._copies = copies
+        # every step checks the parameters and momentum buffers the tables point at (TableWatch)
+        self._watch.watch_tables(self.state, [w for _, _, _, w in items], [self.state[p] for p, _, _, _ in items],
+                                 [["momentum_buffer"] for _ in items])
         self._sigs = sigs
         self._of_dirty = False
 
@@ -438,6 +446,27 @@ class Muon(torch.optim.Optimizer):
             engine.build(es, lambda g: {})  # hyperparameters are pushed by _push_hypers every step
             out[(device, dtype)] = engine
         return out
+
+
+class _interrupts_deferred:
+    """Holds a KeyboardInterrupt (SIGINT with Python's default handler, main thread only) until the
+    block ends, then raises it: the block's launches happen together or not at all."""
+
+    def __enter__(self):
+        self.old, self.hit = None, False
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.old = signal.signal(signal.SIGINT, self._note)
+        return self
+
+    def _note(self, signum, frame):
+        self.hit = True
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.hit and exc[0] is None:
+                raise KeyboardInterrupt
 
 
 class MuonWithAuxAdam(torch.optim.Optimizer):
