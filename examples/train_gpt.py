@@ -1,11 +1,20 @@
 """Trains a small character-level GPT twice with the same seed, once with torch.optim.AdamW and once
 with optfuse.torch.AdamW, and plots both loss curves and the optimizer-step times.
 
-    python3 examples/train_gpt.py [--steps 300] [--device cpu|cuda] [--out out/train_gpt.png]
+    python3 examples/train_gpt.py [--steps 200] [--device cpu|cuda] [--out out/train_gpt.png]
 
 Both runs see the same initial weights, the same batches, the same parameter groups (weight decay on
 matrices only), the same warm-up + cosine learning-rate schedule and the same gradient clipping; only
-the optimizer differs, so the two loss curves should lie on top of each other.
+the optimizer differs (torch.optim.AdamW with its defaults: the for-loop implementation on the CPU,
+foreach on CUDA), so the two loss curves should lie on top of each other.
+
+What it prints at the end, and what to expect: the largest absolute loss difference over all steps
+(the curves coincide); the largest parameter difference after the last step, absolute and relative
+to the largest parameter. One optfuse step equals torch's to float32 rounding (within 1e-6 of the
+parameter scale; tests/python/test_torch_parity.py checks 20 steps), but training feeds each step's
+rounding into the next step's gradients, so after hundreds of steps the parameters differ by more
+than that. Then the median optimizer step time of each (the first step is left out: optfuse compiles
+its kernel there, or loads it from the disk cache).
 """
 import argparse
 import math
@@ -133,21 +142,27 @@ def main():
     for name, cls in (("torch.optim.AdamW", torch.optim.AdamW), ("optfuse.torch.AdamW", optfuse.torch.AdamW)):
         print(f"-- {name}")
         for step, losses, times, model in run(cls, data, len(chars), args, device):
-            if step % max(1, args.steps // 15) == 0 or step == args.steps - 1:
+            if step % max(1, args.steps // 4) == 0 or step == args.steps - 1:
                 print(f"  step {step:4d}  loss {losses[-1]:.4f}  optimizer step {times[-1]:.3f} ms")
         results[name] = (losses, times, model)
 
     (lt, tt, mt), (lo, to, mo) = results["torch.optim.AdamW"], results["optfuse.torch.AdamW"]
     print("\nstep  loss torch.optim.AdamW  loss optfuse.torch.AdamW")
-    for s in range(0, args.steps, max(1, args.steps // 10)):
+    for s in range(0, args.steps, max(1, args.steps // 5)):
         print(f"{s:4d}  {lt[s]:.5f}               {lo[s]:.5f}")
     diff = max(abs(a - b) for a, b in zip(lt, lo))
     pdiff = max((a - b).abs().max().item() for a, b in zip(mt.parameters(), mo.parameters()))
+    pscale = max(p.abs().max().item() for p in mt.parameters())
     med = lambda xs: sorted(xs[1:])[len(xs[1:]) // 2] if len(xs) > 1 else xs[0]  # noqa: E731 (first step compiles)
-    print(f"final loss: torch {lt[-1]:.4f}, optfuse {lo[-1]:.4f}; largest loss difference {diff:.2e}; "
-          f"largest parameter difference {pdiff:.2e}")
+    print(f"\nfinal loss: torch {lt[-1]:.4f}, optfuse {lo[-1]:.4f}")
+    print(f"largest loss difference over the {args.steps} steps: {diff:.2e} (absolute)")
+    print(f"largest parameter difference after {args.steps} steps: {pdiff:.2e} absolute, {pdiff / pscale:.2e} "
+          f"relative to the largest parameter ({pscale:.2f})")
+    print("expected: one step equals torch's to float32 rounding (within 1e-6 of the parameter scale, "
+          "tests/python/test_torch_parity.py);\n  training compounds those roundings step after step, so "
+          f"after {args.steps} steps the parameters differ more than that, while the losses agree closely")
     print(f"median optimizer step: torch {med(tt):.3f} ms, optfuse {med(to):.3f} ms "
-          f"(first optfuse step, which compiles the kernel: {to[0]:.1f} ms)")
+          f"(first optfuse step, which compiles the kernel or loads it from the cache: {to[0]:.1f} ms)")
 
     import matplotlib
     matplotlib.use("Agg")

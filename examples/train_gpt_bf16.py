@@ -9,7 +9,7 @@ plots the loss curves:
   (e) stochastic  bfloat16 parameters, stochastic_rounding=True, state_dtype=torch.bfloat16
   (f) kahan       bfloat16 parameters, kahan=True (a bfloat16 compensation state)
 
-    python3 examples/train_gpt_bf16.py [--steps 300] [--lr 3e-3] [--out out/train_gpt_bf16.png]
+    python3 examples/train_gpt_bf16.py [--steps 300] [--lr 3e-3] [--progress] [--out out/train_gpt_bf16.png]
 
 Every weight of runs (b)-(f) is bfloat16 (model.to(torch.bfloat16), LayerNorm and embeddings
 included), so every parameter group takes the run's options. The final loss of a run is the mean
@@ -67,7 +67,7 @@ def train(key, label, param_dtype, options, data, vocab, args, device):
                                           param_dtype=param_dtype, autocast_dtype=BF16):
         if step == args.steps - MOVED - 1:
             snapshot = [p.detach().clone() for p in model.parameters()]
-        if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
+        if args.progress and (step % max(1, args.steps // 10) == 0 or step == args.steps - 1):
             print(f"  step {step:4d}  loss {losses[-1]:.4f}  lr {made[0].param_groups[0]['lr']:.2e}", flush=True)
     wall = time.perf_counter() - t0
     opt, params = made[0], list(model.parameters())
@@ -125,6 +125,7 @@ def main():
     ap.add_argument("--grad-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="gradient dtype of the bfloat16 parameters (float32: param.grad_dtype, torch >= 2.10)")
     ap.add_argument("--runs", default="abcdef", help="which of the runs (a)-(f) to train")
+    ap.add_argument("--progress", action="store_true", help="print the loss every tenth of the steps of each run")
     args = ap.parse_args()
     device = torch.device(args.device)
 
@@ -135,8 +136,10 @@ def main():
     for key, label, dtype, options in RUNS:
         if key not in args.runs:
             continue
-        print(f"-- ({key}) {label}", flush=True)
+        print(f"-- ({key}) {label}", end="" if not args.progress else "\n", flush=True)
         results[key] = train(key, label, dtype, options, data, len(chars), args, device)
+        print(f"{'  ->' if args.progress else ':'} final loss {results[key]['final_loss']:.4f}, "
+              f"{results[key]['wall_s']:.1f} s", flush=True)
 
     summary = _summarise(results)
     print(f"\nfinal loss = mean of the last {TAIL} losses; 'vs (a)' = relative difference to the fp32 run")
@@ -146,7 +149,8 @@ def main():
         moved = r[f"moved_last_{MOVED}_steps"]
         print(f"({key}) {r['label']:<40} {r['final_loss']:>10.4f} {'' if rel is None else f'{rel:+.2%}':>8} "
               f"{'' if moved is None else f'{moved:.1%}':>7} {r['median_opt_step_ms']:>6.2f} ms {r['wall_s']:>5.1f} s")
-    print(f"* moved: fraction of the weights whose stored value changed over the last {MOVED} steps")
+    print(f"* moved: fraction of the weights whose stored value changed over the last {MOVED} steps; "
+          "opt step: median optimizer step time; wall: the whole run")
     for line in summary["verdicts"]:
         print(line)
     for key, r in results.items():
