@@ -33,6 +33,14 @@ class TraceError(_core.OptfuseError):
     pass
 
 
+def _frame_of(e):
+    """file:line of the optimizer code where exception e was raised (as _where)."""
+    for fr in reversed(traceback.extract_tb(e.__traceback__)):
+        if "optfuse" not in fr.filename and "/torch/" not in fr.filename:
+            return f"{fr.filename}:{fr.lineno} ({fr.line})"
+    return "?"
+
+
 def _where():
     """file:line of the optimizer code being traced (the innermost frame outside this module and torch)."""
     for fr in reversed(traceback.extract_stack()[:-2]):
@@ -1117,7 +1125,9 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
                              "its own values")
         return hit[0]
 
-    states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if k in st}
+    # a slot this path sets to None (timm SGDW's momentum buffer on a momentum == 0 path, where the probe
+    # stepped with momentum) is not written on it: the state keeps its value, which the path never reads
+    states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if st.get(k) is not None}
     return expr_of(p, "the parameter"), states, paths.seen
 
 
@@ -1138,7 +1148,16 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
         count[0] += 1
         if count[0] > MAX_PATHS:
             raise TraceError(f"more than {MAX_PATHS} paths through Python branches on hyperparameters or the step")
-        param, states, seen = trace_once(forced)
+        try:
+            param, states, seen = trace_once(forced)
+        except KeyError as e:
+            if not forced or isinstance(e, infeasible if isinstance(infeasible, tuple) else (infeasible,)):
+                raise
+            raise TraceError(f"the step reads {e} at {_frame_of(e)}, which exists only under other outcomes of its "
+                             "Python branches on hyperparameters (a state created at the first step when an option "
+                             "was set: reading it after the option changes would fail in the original too); "
+                             "not traceable yet: fusable when each such branch is decided once, at the first step "
+                             "(a guard that re-traces)") from None
         return merge(forced, param, states, seen)
 
     def merge(forced, param, states, seen):
