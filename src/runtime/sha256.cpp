@@ -37,6 +37,7 @@ __attribute__((target("sha,sse4.1,ssse3"))) void blocks_sha_ni(uint32_t h[8], co
   for (; n > 0; --n, p += 64) {
     const __m128i abef0 = abef, cdgh0 = cdgh;
     __m128i w[4];  // message words 4g..4g+3 of the last four groups, w[g % 4]
+#pragma GCC unroll 16  // all 16 groups inline: w[] then lives in registers
     for (int g = 0; g < 16; ++g) {
       __m128i m;
       if (g < 4) {
