@@ -264,6 +264,7 @@ extern "C" __global__ void of_bench_fill(void* p, unsigned long long n, int dtyp
     float x = value;
     if (random) x = ((float)(of_splitmix64(key ^ i) >> 41) + 0.5f) * (1.0f / 4194304.0f) - 1.0f;
     if (dtype == 0) ((float*)p)[i] = x;
+    else if (dtype == 4) ((double*)p)[i] = (double)x;  // float64 (DType::f64)
     else if (dtype == 1) ((unsigned short*)p)[i] = of_float_to_f16(x);
     else ((unsigned short*)p)[i] = of_float_to_bf16(x);
   }

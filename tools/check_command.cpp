@@ -49,7 +49,8 @@ int check_command(const Argv& args) {
     worst = std::isnan(d) || d > worst ? d : worst;
     std::printf("  step %2d: max difference relative to tensor scale %.3g\n", s + 1, d);
   }
-  double tol = dtype == DType::f32 ? 1e-5 : 2e-2;
+  // float64: float64 math on both sides, only the order of operations differs.
+  double tol = dtype == DType::f64 ? 1e-12 : dtype == DType::f32 ? 1e-5 : 2e-2;
   bool ok = !std::isnan(worst) && worst <= tol;
   std::printf("%s: worst %.3g (tolerance %.0e) after %d steps\n", ok ? "OK" : "MISMATCH", worst, tol, steps);
   return ok ? 0 : 1;

@@ -121,6 +121,18 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
   return s;
 }
 
+bool variant_computes_f64(const StorageVariant& v) {
+  for (const RoleStorage& r : v)
+    if (r.dtype == DType::f64) return true;
+  return false;
+}
+
+bool any_variant_computes_f64(const std::vector<StorageVariant>& variants) {
+  for (const StorageVariant& v : variants)
+    if (variant_computes_f64(v)) return true;
+  return false;
+}
+
 bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v) {
   std::vector<DType> states;
   for (size_t r = 2; r < v.size(); ++r) states.push_back(v[r].dtype);

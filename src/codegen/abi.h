@@ -40,6 +40,12 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
 // are not float32, the recomputing forms (Plan::runs_states_ahead).
 bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v);
 
+// Whether tensors of this variant do their element math (and row, column and tensor values) in
+// float64: where some role is float64, as torch computes in a float64 parameter's dtype. A pass
+// mixing tensors of both kinds runs each tensor's chunks in its own variant's precision.
+bool variant_computes_f64(const StorageVariant& v);
+bool any_variant_computes_f64(const std::vector<StorageVariant>& variants);
+
 // Needs OF_ROLES and OF_FN (the printer's common source) defined before it.
 std::string abi_source();
 // The plan's layout as every dialect reads it, printed from its ScalarLayout: the counts of each

@@ -220,33 +220,37 @@ std::string dialect_prelude(const Dialect& d) {
 
 std::string CPrinter::prelude() const { return dialect_prelude(d_) + low_precision_source(); }
 
-std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead) {
+std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead, bool f64) {
   const bool recomputing = !states_ahead && plan.has_recomputing_form(phase);
-  return "of_phase" + std::to_string(phase) + (recomputing ? "_element_recomputing" : "_element");
+  return "of_phase" + std::to_string(phase) + (recomputing ? "_element_recomputing" : "_element") + f64_suffix(f64);
 }
 
-std::string CPrinter::element_function(size_t phase) const {
-  std::string s = element_function(phase, true);
-  if (plan_.has_recomputing_form(phase)) s += element_function(phase, false);
+std::string CPrinter::element_function(size_t phase, bool f64) const {
+  std::string s = element_function(phase, true, f64);
+  if (plan_.has_recomputing_form(phase)) s += element_function(phase, false, f64);
   return s;
 }
 
-std::string CPrinter::element_function(size_t phase, bool states_ahead) const {
+std::string CPrinter::element_function(size_t phase, bool states_ahead, bool f64) const {
   const ElementPhase& ph = plan_.phase_for(phase, states_ahead);
   const Program& p = plan_.program;
   std::vector<std::string> roles = role_names(plan_);
+  // float32 element math, or (f64) float64: the printer's uniform (double) forms of every op.
+  const std::string T = f64 ? "double" : "float";
+  const bool element = !f64;
   std::ostringstream s;
   s << "\n// phase " << phase << " (" << (ph.kind == ElementPhase::Kind::Reduce ? "reduce" : "update")
     << (states_ahead ? "" : "; the form for states written ahead in 16 bits, Plan::recomputing")
-    << "): per element, float32 math\n";
-  s << "OF_FN void " << element_function_name(plan_, phase, states_ahead) << "(float* v, const float* u, double* acc) {\n";
-  if (ph.reads_param) s << "  const float param = v[0];\n";
-  if (ph.reads_grad) s << "  const float grad = v[1];\n";
+    << "): per element, " << (f64 ? "float64" : "float32") << " math\n";
+  s << "OF_FN void " << element_function_name(plan_, phase, states_ahead, f64) << "(" << T << "* v, const " << T
+    << "* u, double* acc) {\n";
+  if (ph.reads_param) s << "  const " << T << " param = v[0];\n";
+  if (ph.reads_grad) s << "  const " << T << " grad = v[1];\n";
   for (int st : ph.reads_states) {  // a state's old value, or its new one where an earlier pass wrote it
     NodeId loaded = kNoNode;
     for (const auto& [node, state] : ph.loads)
       if (state == st) loaded = node;
-    s << "  const float " << (loaded == kNoNode ? roles[2 + static_cast<size_t>(st)] : value_name(loaded)) << " = v["
+    s << "  const " << T << " " << (loaded == kNoNode ? roles[2 + static_cast<size_t>(st)] : value_name(loaded)) << " = v["
       << 2 + st << "];\n";
   }
   std::set<NodeId> declared;
@@ -257,18 +261,18 @@ std::string CPrinter::element_function(size_t phase, bool states_ahead) const {
       NodeId x = n.in[k];
       auto slot = plan_.derived_slot.find(x);
       if (slot != plan_.derived_slot.end() && declared.insert(x).second)
-        s << "  const float " << value_name(x) << " = u[" << slot->second << "];\n";
+        s << "  const " << T << " " << value_name(x) << " = u[" << slot->second << "];\n";
     }
   }
   for (NodeId id : ph.nodes) {
     const Node& n = p.graph.node(id);
     if (op_is_leaf(n.op) || ph.load_of(id) >= 0) continue;
-    s << "  const float " << value_name(id) << " = " << expr(id, true) << ";\n";
+    s << "  const " << T << " " << value_name(id) << " = " << expr(id, element) << ";\n";
   }
   auto out = [&](NodeId id) {
     const Node& n = p.graph.node(id);
     if (plan_.kind[static_cast<size_t>(id)] == ValueKind::Element) return value_name(id);
-    if (n.op == Op::Const) return literal(n.value, true);
+    if (n.op == Op::Const) return literal(n.value, element);
     return "u[" + std::to_string(plan_.derived_slot.at(id)) + "]";
   };
   for (size_t k = 0; k < ph.reductions.size(); ++k) {
@@ -350,13 +354,13 @@ std::string CPrinter::scalar_function(size_t phase) const {
   return s.str();
 }
 
-std::string CPrinter::tensor_function(size_t phase) const { return tensor_values_function(phase, false); }
+std::string CPrinter::tensor_function(size_t phase, bool f64) const { return tensor_values_function(phase, false, f64); }
 
-std::string CPrinter::per_matrix_tensor_function(size_t phase) const {
-  return plan_.matrix() ? tensor_values_function(phase, true) : std::string();
+std::string CPrinter::per_matrix_tensor_function(size_t phase, bool f64) const {
+  return plan_.matrix() ? tensor_values_function(phase, true, f64) : std::string();
 }
 
-std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only) const {
+std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only, bool f64) const {
   const Program& p = plan_.program;
   const Graph& g = p.graph;
   const int limit = plan_.value_level_limit(plan_.phases.at(phase));
@@ -386,8 +390,9 @@ std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only)
   // A matrix plan's tensor values may read the tensor's shape (Op::Shape: numel, rows of a matrix,
   // cols, is_matrix) and the sums of row and column values of the matrix they are for (`sums`).
   const bool shaped = plan_.matrix();
-  s << "OF_FN void of_phase" << phase << (per_matrix_only ? "_tensor_matrix" : "_tensor") << "(const double* derived, const double* reductions, "
-    << (shaped ? "const double* sums, const double* shape, " : "") << "float* u) {\n";
+  s << "OF_FN void of_phase" << phase << (per_matrix_only ? "_tensor_matrix" : "_tensor") << f64_suffix(f64)
+    << "(const double* derived, const double* reductions, " << (shaped ? "const double* sums, const double* shape, " : "")
+    << (f64 ? "double" : "float") << "* u) {\n";
   std::set<NodeId> declared;
   for (size_t i = 0; i < g.size(); ++i) {
     if (plan_.kind[i] != ValueKind::Tensor || plan_.level[i] > limit || !print[i]) continue;
@@ -413,47 +418,50 @@ std::string CPrinter::tensor_values_function(size_t phase, bool per_matrix_only)
   const size_t d = plan_.derived.size();
   for (size_t k = 0; k < plan_.tensor_derived.size(); ++k)
     if (plan_.level[static_cast<size_t>(plan_.tensor_derived[k])] <= limit && print[static_cast<size_t>(plan_.tensor_derived[k])])
-      s << "  u[" << k << "] = (float)" << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k << "] of the element function\n";
+      s << "  u[" << k << "] = " << (f64 ? "" : "(float)") << value_name(plan_.tensor_derived[k]) << ";  // u[" << d + k
+        << "] of the element function\n";
   s << "  (void)derived; (void)reductions; (void)u;" << (shaped ? " (void)sums; (void)shape;" : "") << "\n}\n";
   return s.str();
 }
 
-std::string CPrinter::line_function(size_t phase, bool cols) const {
+std::string CPrinter::line_function(size_t phase, bool cols, bool f64) const {
   const Program& p = plan_.program;
   const Graph& g = p.graph;
   const int limit = plan_.value_level_limit(plan_.phases.at(phase));
   const ValueKind kind = cols ? ValueKind::Col : ValueKind::Row;
   const char* what = cols ? "column" : "row";
   const std::vector<NodeId>& outs = cols ? plan_.col_derived : plan_.row_derived;
+  const std::string T = f64 ? "double" : "float";
   std::ostringstream s;
-  s << "\n// phase " << phase << ": the values of one " << what << " (the Values step), float32 math: st[s] the "
+  s << "\n// phase " << phase << ": the values of one " << what << " (the Values step), " << (f64 ? "float64" : "float32")
+    << " math: st[s] the "
     << what << " state s, red[k] its " << what << " reduction k, out[k] its " << what << " value k; sums[k] gathers the\n"
     << "// per-tensor sums (tensor_reductions slot k) of " << what << " values\n";
-  s << "OF_FN void of_phase" << phase << "_" << (cols ? "cols" : "rows")
-    << "(const float* u, const float* st, const double* red, float* out, double* sums) {\n";
+  s << "OF_FN void of_phase" << phase << "_" << (cols ? "cols" : "rows") << f64_suffix(f64) << "(const " << T
+    << "* u, const " << T << "* st, const double* red, " << T << "* out, double* sums) {\n";
   std::set<NodeId> declared;
   auto declare_input = [&](NodeId x) {
     const ValueKind k = plan_.kind[static_cast<size_t>(x)];
     if (k == kind || g.node(x).op == Op::Const || !declared.insert(x).second) return;
-    s << "  const float " << value_name(x) << " = u[" << plan_.derived_slot.at(x) << "];\n";
+    s << "  const " << T << " " << value_name(x) << " = u[" << plan_.derived_slot.at(x) << "];\n";
   };
   for (size_t i = 0; i < g.size(); ++i) {
     const NodeId id = static_cast<NodeId>(i);
     const Node& n = g.node(id);
     if (plan_.kind[i] != kind || plan_.level[i] > limit) continue;
     if (n.op == Op::State) {
-      s << "  const float " << value_name(id) << " = st[" << n.index << "];\n";
+      s << "  const " << T << " " << value_name(id) << " = st[" << n.index << "];\n";
     } else if (op_is_reduction(n.op)) {
-      s << "  const float " << value_name(id) << " = (float)red[" << plan_.reduction_area_slot[plan_.reduction_index(id)] << "];\n";
+      s << "  const " << T << " " << value_name(id) << " = (" << T << ")red[" << plan_.reduction_area_slot[plan_.reduction_index(id)] << "];\n";
     } else {
       for (int k = 0; k < op_arity(n.op); ++k) declare_input(n.in[k]);
-      s << "  const float " << value_name(id) << " = " << expr(id, true) << ";\n";
+      s << "  const " << T << " " << value_name(id) << " = " << expr(id, !f64) << ";\n";
     }
   }
   for (size_t k = 0; k < outs.size(); ++k)
     if (plan_.level[static_cast<size_t>(outs[k])] <= limit) {
       const Node& n = g.node(outs[k]);
-      s << "  out[" << k << "] = " << (n.op == Op::Const ? literal(n.value, true) : value_name(outs[k])) << ";\n";
+      s << "  out[" << k << "] = " << (n.op == Op::Const ? literal(n.value, !f64) : value_name(outs[k])) << ";\n";
     }
   for (NodeId r : plan_.reductions) {
     const Node& n = g.node(r);
@@ -471,13 +479,16 @@ std::string CPrinter::line_function(size_t phase, bool cols) const {
   return s.str();
 }
 
-std::string CPrinter::common_source() const {
+std::string CPrinter::common_source(bool f64) const {
   std::string s = prelude();
   for (size_t i = 0; i < plan_.phases.size(); ++i) {
     s += scalar_function(i);
-    if (plan_.layout.tensor_values > 0) s += tensor_function(i);
-    if (plan_.matrix()) s += line_function(i, false) + line_function(i, true);
-    s += element_function(i);
+    for (bool d : {false, true}) {
+      if (d && !f64) continue;
+      if (plan_.layout.tensor_values > 0) s += tensor_function(i, d);
+      if (plan_.matrix()) s += line_function(i, false, d) + line_function(i, true, d);
+      s += element_function(i, d);
+    }
   }
   return s;
 }

@@ -5,6 +5,10 @@
 //
 // Contract with the drivers, for phase i of the plan:
 //   OF_FN void of_phase<i>_element(float* v, const float* u, double* acc)
+//   OF_FN void of_phase<i>_element_f64(double* v, const double* u, double* acc)
+//     (the _f64 forms, also of the tensor and row/column functions below, only in sources with a
+//     variant that computes in float64, variant_computes_f64: the same math in double, uniform
+//     and tensor values unrounded)
 //     v[role] holds the loaded values of the roles the phase reads (role 0 param, 1 grad, 2+s state
 //     s, see ElementPhase::reads_*); on return v[role] holds the new values of the roles it writes.
 //     u[d] holds derived uniform slot d rounded to float, then (from u[D], D = the plan's derived
@@ -51,8 +55,11 @@ const Dialect& cuda_dialect();
 std::string dialect_prelude(const Dialect& d);
 
 // Phase i's element function: of_phase<i>_element, or of_phase<i>_element_recomputing for the
-// form run by tensors whose states written ahead are not float32 (Plan::recomputing).
-std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead = true);
+// form run by tensors whose states written ahead are not float32 (Plan::recomputing); with the
+// suffix _f64 for the float64 math of a variant that computes in float64.
+std::string element_function_name(const Plan& plan, size_t phase, bool states_ahead = true, bool f64 = false);
+// "_f64" or "": the suffix of the float64 forms of the printer's functions.
+inline const char* f64_suffix(bool f64) { return f64 ? "_f64" : ""; }
 
 class CPrinter {
  public:
@@ -61,23 +68,25 @@ class CPrinter {
   std::string header_comment() const;
   // Shared helpers: lerp, min/max with NaN, sign, bf16/f16 conversions, OF_FN.
   std::string prelude() const;
-  std::string element_function(size_t phase) const;
+  // f64: the float64 forms (of_phase<i>_element_f64, ...) instead of the float32 ones.
+  std::string element_function(size_t phase, bool f64 = false) const;
   std::string scalar_function(size_t phase) const;
-  std::string tensor_function(size_t phase) const;
+  std::string tensor_function(size_t phase, bool f64 = false) const;
   // (matrix plans) of_phase<i>_tensor_matrix, same arguments: only the tensor values that read the
   // matrix's sums of row or column values (and what they are computed from), for a loop entering a
   // further matrix of a tensor whose other values it has; "" when no value reads the sums.
-  std::string per_matrix_tensor_function(size_t phase) const;
+  std::string per_matrix_tensor_function(size_t phase, bool f64 = false) const;
   // The Values step's function for one row (cols false) or one column of a matrix plan.
-  std::string line_function(size_t phase, bool cols) const;
-  // Everything above for every phase, in order: what a driver puts before its loops.
-  std::string common_source() const;
+  std::string line_function(size_t phase, bool cols, bool f64 = false) const;
+  // Everything above for every phase, in order: what a driver puts before its loops; with f64 also
+  // the float64 forms (a source with a variant that computes in float64).
+  std::string common_source(bool f64 = false) const;
   int num_roles() const { return 2 + plan_.num_states(); }
   const Plan& plan() const { return plan_; }
 
  private:
-  std::string tensor_values_function(size_t phase, bool per_matrix_only) const;
-  std::string element_function(size_t phase, bool states_ahead) const;
+  std::string tensor_values_function(size_t phase, bool per_matrix_only, bool f64) const;
+  std::string element_function(size_t phase, bool states_ahead, bool f64) const;
   std::string value_name(NodeId id) const;
   std::string expr(NodeId id, bool element) const;
   const Plan& plan_;

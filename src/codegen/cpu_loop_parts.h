@@ -23,9 +23,12 @@ bool phase_rounds_stochastically(const PhaseRoles& pr, const StorageVariant& v);
 
 // One element at index `idx`: load the roles the phase reads, run the element function `fn`
 // (element_function_name) with accumulators `acc`, store the roles it writes (stochastic stores
-// draw bits for element first_elem + idx of the tensor).
+// draw bits for element first_elem + idx of the tensor). Values are float, or double where the
+// variant computes in float64 (variant_computes_f64; fn is then the _f64 form).
 std::string element_body(const std::string& fn, const PhaseRoles& pr, const StorageVariant& var,
                          const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
                          const std::string& indent);
+// "double" where the variant computes in float64, else "float".
+inline const char* compute_type(const StorageVariant& v) { return variant_computes_f64(v) ? "double" : "float"; }
 
 }  // namespace optfuse::cpu_loops

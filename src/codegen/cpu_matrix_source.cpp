@@ -35,6 +35,8 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   const PhaseRoles rr = phase_roles(ph);
   const std::vector<std::string> roles = role_names(plan);
   const size_t nred = std::max<size_t>(ph.reductions.size(), 1);
+  const bool f64 = variant_computes_f64(var);
+  const std::string T = compute_type(var), cast = f64 ? "" : "(float)";
   const size_t nvalues = std::max<size_t>(plan.derived.size() + static_cast<size_t>(L.tensor_values + L.row_values + L.col_values), 1);
   std::ostringstream s;
   s << "\n// Phase " << i << ", variant " << k << " of a matrix plan: " << describe_variant(var, roles) << "\n"
@@ -42,8 +44,8 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "_mchunk(const OfTensor& t, const OfMatrix& m, long long chunk_in_tensor, long long begin, int len, "
        "const double* derived_row, const double* tensor_row, const double* matrix_sums, int sums_per_matrix, double step, "
        "double* acc, double* row_red, double* col_part, const double* row_val, const double* col_val) {\n"
-    << "  float u[" << nvalues << "] = {0.0f};\n"
-    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n"
+    << "  " << T << " u[" << nvalues << "] = {" << (f64 ? "0.0" : "0.0f") << "};\n"
+    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (" << T << ")derived_row[d];\n"
     << "  double shape[4];\n  of_shape(t, m, shape);\n"
     << "  const long long C = m.cols, r0 = begin / C;  // the chunk: rows [r0, r0 + rows) of the view\n"
     << "  const int rows = (int)(len / C);\n"
@@ -71,26 +73,26 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   if (L.tensor_values > 0) {
     const std::string args = "(derived_row, tensor_row, matrix_sums + (m.matrix_offset + mb) * sums_per_matrix, shape, u + " +
                              std::to_string(plan.derived.size()) + ");\n";
-    s << "      if (first) of_phase" << i << "_tensor" << args;
-    if (per_matrix_values) s << "      else of_phase" << i << "_tensor_matrix" << args;
+    s << "      if (first) of_phase" << i << "_tensor" << f64_suffix(f64) << args;
+    if (per_matrix_values) s << "      else of_phase" << i << "_tensor_matrix" << f64_suffix(f64) << args;
   }
   if (col_reds)
     s << "      part = col_part + (m.colpart_offset + (m.chunks_per_matrix > 1 ? chunk_in_tensor : mb) * C) * OF_COL_REDS;\n"
       << "      for (long long x = 0; x < C * OF_COL_REDS; ++x) part[x] = 0.0;\n";
   s << "    }\n";
   for (size_t q = 0; q < plan.row_derived.size(); ++q)
-    s << "    u[" << plan.derived_slot.at(plan.row_derived[q]) << "] = (float)row_val[(m.row_offset + r0 + r) * OF_ROW_VALUES + " << q
+    s << "    u[" << plan.derived_slot.at(plan.row_derived[q]) << "] = " << cast << "row_val[(m.row_offset + r0 + r) * OF_ROW_VALUES + " << q
       << "];\n";
   s << "    double rowacc[" << nred << "] = {0.0};\n"
     << "    const long long e0 = (long long)r * C;\n"
     << "    for (long long c = 0; c < C; ++c) {\n";
   for (size_t q = 0; q < plan.col_derived.size(); ++q)
-    s << "      u[" << plan.derived_slot.at(plan.col_derived[q]) << "] = (float)col_val[(col0 + c) * OF_COL_VALUES + " << q
+    s << "      u[" << plan.derived_slot.at(plan.col_derived[q]) << "] = " << cast << "col_val[(col0 + c) * OF_COL_VALUES + " << q
       << "];\n";
   s << "      double a[" << nred << "];\n";
   if (reds.empty()) s << "      a[0] = 0.0;\n";
   for (const MatrixReduction& r : reds) s << "      a[" << r.k << "] = " << running(r) << ";\n";
-  s << element_body(element_function_name(plan, i), rr, var, roles, "e0 + c", "a", "      ");
+  s << element_body(element_function_name(plan, i, true, f64), rr, var, roles, "e0 + c", "a", "      ");
   for (const MatrixReduction& r : reds) s << "      " << running(r) << " = a[" << r.k << "];\n";
   s << "    }\n";
   for (const MatrixReduction& r : reds)
@@ -110,8 +112,9 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
   const size_t D = plan.derived.size();
   const size_t nvalues = std::max<size_t>(D + static_cast<size_t>(L.tensor_values + L.row_values + L.col_values), 1);
   std::ostringstream s;
-  for (size_t k = 0; k < variants.size(); ++k) {  // the Rows or Cols states of element x, as float
-    s << "\nstatic inline void of_values" << i << "_states_v" << k << "(const OfTensor& t, long long x, bool cols, float* st) {\n";
+  for (size_t k = 0; k < variants.size(); ++k) {  // the Rows or Cols states of element x, as float (double: float64 math)
+    s << "\nstatic inline void of_values" << i << "_states_v" << k << "(const OfTensor& t, long long x, bool cols, "
+      << compute_type(variants[k]) << "* st) {\n";
     for (int side = 0; side < 2; ++side) {
       s << (side == 0 ? "  if (cols) {\n" : "  } else {\n");
       const StateShape want = side == 0 ? StateShape::Cols : StateShape::Rows;
@@ -122,17 +125,19 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
     s << "  }\n  (void)t; (void)x; (void)st;\n}\n";
   }
   // Row (column) x of matrix b: its states, its values from them and its reductions, its share of sums.
-  auto line = [&](bool cols) {
+  // f64: the loop of tensors whose variant computes in float64 (its variants' state loads only).
+  auto line = [&](bool cols, bool f64) {
     const std::string x = cols ? "m.col_offset + b * C + x" : "m.row_offset + b * R + x";
     const std::vector<NodeId>& outs = cols ? plan.col_derived : plan.row_derived;
     std::ostringstream o;
     o << "      for (long long x = 0; x < " << (cols ? "C" : "R") << "; ++x) {\n        switch (t.variant) {\n";
     for (size_t k = 0; k < variants.size(); ++k)
-      o << "          case " << k << ": of_values" << i << "_states_v" << k << "(t, b * " << (cols ? "C" : "R")
-        << " + x, " << (cols ? "true" : "false") << ", st); break;\n";
+      if (variant_computes_f64(variants[k]) == f64)
+        o << "          case " << k << ": of_values" << i << "_states_v" << k << "(t, b * " << (cols ? "C" : "R")
+          << " + x, " << (cols ? "true" : "false") << ", st); break;\n";
     o << "          default: break;\n        }\n"
-      << "        of_phase" << i << (cols ? "_cols(u, st, col_red + (" : "_rows(u, st, row_red + (") << x << ") * "
-      << (cols ? "OF_COL_REDS" : "OF_ROW_REDS") << ", out, sums);\n";
+      << "        of_phase" << i << (cols ? "_cols" : "_rows") << f64_suffix(f64) << (cols ? "(u, st, col_red + (" : "(u, st, row_red + (")
+      << x << ") * " << (cols ? "OF_COL_REDS" : "OF_ROW_REDS") << ", out, sums);\n";
     for (size_t q = 0; q < outs.size(); ++q)
       if (plan.level[static_cast<size_t>(outs[q])] <= limit)
         o << "        " << (cols ? "col_val[(" : "row_val[(") << x << ") * " << (cols ? "OF_COL_VALUES + " : "OF_ROW_VALUES + ")
@@ -140,6 +145,41 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
     o << "      }\n";
     return o.str();
   };
+  // One tensor's matrices [b0, b1) in float32 (f64: float64) math.
+  auto body = [&](bool f64, const std::string& indent) {
+    const std::string T = f64 ? "double" : "float";
+    std::ostringstream o;
+    o << "    " << T << " u[" << nvalues << "] = {" << (f64 ? "0.0" : "0.0f") << "};\n"
+      << "    for (int d = 0; d < " << D << "; ++d) u[d] = (" << T << ")row[d];\n"
+      << "    double shape[4];\n    of_shape(t, m, shape);\n"
+      << "    " << T << " st[OF_ROLES];\n    " << T << " out[" << std::max({L.row_values, L.col_values, 1}) << "];\n"
+      << "    (void)shape; (void)st; (void)out; (void)tensor_reductions; (void)tensor_reductions_per_tensor;\n"
+      << "    for (long long b = b0; b < b1; ++b) {\n"
+      << "      double* const ws = matrix_sums + (m.matrix_offset + b) * tensor_reductions_per_tensor;\n      (void)ws;\n";
+    if (L.tensor_values > 0) {  // all of them for the first matrix, then those that read its sums
+      const std::string args = "(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " + std::to_string(D) + ");\n";
+      o << "      if (b == b0) of_phase" << i << "_tensor" << f64_suffix(f64) << args;
+      if (per_matrix_values) o << "      else of_phase" << i << "_tensor_matrix" << f64_suffix(f64) << args;
+    }
+    o << "      double sums[" << std::max(L.tensor_reductions, 1) << "] = {0.0};\n" << line(false, f64) << line(true, f64);
+    for (size_t r = 0; r < plan.reductions.size(); ++r) {  // this matrix's sums of row and column values
+      const NodeId node = plan.reductions[r];
+      if (plan.is_value_reduction(node) && plan.level[static_cast<size_t>(node)] <= limit)
+        o << "      ws[" << plan.reduction_area_slot[r] << "] = sums[" << plan.reduction_area_slot[r] << "];\n";
+    }
+    o << "      (void)sums;\n    }\n";
+    if (indent.empty()) return o.str();
+    // Indented one level more (inside the float64 branch).
+    std::string text = o.str(), out;
+    size_t at = 0;
+    while (at < text.size()) {
+      const size_t nl = text.find('\n', at);
+      out += indent + text.substr(at, nl - at + 1);
+      at = nl + 1;
+    }
+    return out;
+  };
+  const bool any_f64 = any_variant_computes_f64(variants);
   s << "\n// The Values step before pass " << i << " (levels <= " << limit << ")\n"
     << "extern \"C\" void of_values" << i
     << "(const OfTensor* tensors, const OfMatrix* mats, long long num_tensors, long long total_matrices, long long k0, "
@@ -156,26 +196,15 @@ std::string values_function(const Plan& plan, size_t i, const std::vector<Storag
     << "    const long long b0 = (k0 > m.matrix_offset ? k0 : m.matrix_offset) - m.matrix_offset;\n"
     << "    const long long b1 = (k1 < end ? k1 : end) - m.matrix_offset;\n"
     << "    const long long C = m.cols, R = m.matrix_rows;\n"
-    << "    const double* row = derived + (long long)t.group * derived_per_group;\n"
-    << "    float u[" << nvalues << "] = {0.0f};\n"
-    << "    for (int d = 0; d < " << D << "; ++d) u[d] = (float)row[d];\n"
-    << "    double shape[4];\n    of_shape(t, m, shape);\n"
-    << "    float st[OF_ROLES];\n    float out[" << std::max({L.row_values, L.col_values, 1}) << "];\n"
-    << "    (void)shape; (void)st; (void)out; (void)tensor_reductions; (void)tensor_reductions_per_tensor;\n"
-    << "    for (long long b = b0; b < b1; ++b) {\n"
-    << "      double* const ws = matrix_sums + (m.matrix_offset + b) * tensor_reductions_per_tensor;\n      (void)ws;\n";
-  if (L.tensor_values > 0) {  // all of them for the first matrix, then those that read its sums
-    const std::string args = "(row, tensor_reductions + ti * tensor_reductions_per_tensor, ws, shape, u + " + std::to_string(D) + ");\n";
-    s << "      if (b == b0) of_phase" << i << "_tensor" << args;
-    if (per_matrix_values) s << "      else of_phase" << i << "_tensor_matrix" << args;
+    << "    const double* row = derived + (long long)t.group * derived_per_group;\n";
+  if (any_f64) {  // tensors whose variant computes in float64: their own loop
+    s << "    bool f64 = false;\n    switch (t.variant) {\n";
+    for (size_t k = 0; k < variants.size(); ++k)
+      if (variant_computes_f64(variants[k])) s << "      case " << k << ":\n";
+    s << "        f64 = true;\n        break;\n      default: break;\n    }\n"
+      << "    if (f64) {\n" << body(true, "  ") << "      continue;\n    }\n";
   }
-  s << "      double sums[" << std::max(L.tensor_reductions, 1) << "] = {0.0};\n" << line(false) << line(true);
-  for (size_t r = 0; r < plan.reductions.size(); ++r) {  // this matrix's sums of row and column values
-    const NodeId node = plan.reductions[r];
-    if (plan.is_value_reduction(node) && plan.level[static_cast<size_t>(node)] <= limit)
-      s << "      ws[" << plan.reduction_area_slot[r] << "] = sums[" << plan.reduction_area_slot[r] << "];\n";
-  }
-  s << "      (void)sums;\n    }\n  }\n  (void)row_red; (void)col_red; (void)row_val; (void)col_val;\n}\n";
+  s << body(false, "") << "  }\n  (void)row_red; (void)col_red; (void)row_val; (void)col_val;\n}\n";
   return s.str();
 }
 
@@ -190,8 +219,10 @@ std::string cpu_matrix_phase_source(const Plan& plan, size_t i, const std::vecto
   }
   const size_t nred = ph.reductions.size();
   std::ostringstream s;
-  const std::string per_matrix = CPrinter(plan, cpu_dialect()).per_matrix_tensor_function(i);
+  const CPrinter printer(plan, cpu_dialect());
+  const std::string per_matrix = printer.per_matrix_tensor_function(i);
   s << per_matrix;
+  if (any_variant_computes_f64(variants)) s << printer.per_matrix_tensor_function(i, true);
   for (size_t k = 0; k < variants.size(); ++k) s << chunk_function(plan, i, k, variants[k], reds, !per_matrix.empty());
   s << "\nextern \"C\" void of_phase" << i
     << "(const OfTensor* tensors, const OfChunk* chunks, long long first, long long last, const double* derived,"

@@ -19,6 +19,7 @@ const char* storage_type(DType d) {
     case DType::f16: return "of_half";
     case DType::bf16: return "of_bfloat";
     case DType::i16: return "of_i16";
+    case DType::f64: return "double";
   }
   return "?";
 }
@@ -46,7 +47,7 @@ std::string element_body(const std::string& fn, const PhaseRoles& pr, const Stor
                          const std::vector<std::string>& roles, const std::string& idx, const std::string& acc,
                          const std::string& indent) {
   std::ostringstream s;
-  s << indent << "float v[OF_ROLES];\n";
+  s << indent << compute_type(var) << " v[OF_ROLES];\n";
   for (int r : pr.read)
     s << indent << "v[" << r << "] = of_ld(" << roles[static_cast<size_t>(r)] << "_p, " << idx << ");\n";
   s << indent << fn << "(v, u, " << acc << ");\n";
@@ -87,6 +88,14 @@ static inline void of_st_sr(of_half* p, long long i, float v, unsigned r) { p[i]
 static inline void of_st_sr(of_bfloat* p, long long i, float v, unsigned r) { p[i].bits = of_float_to_bf16_sr(v, r); }
 )";
 
+// float64 roles (only in sources with a variant that computes in float64: the others, and their
+// compile keys, stay as they were). Such a variant's values are double: a narrower role widens
+// exactly on load and rounds through float on store.
+const char* kCpuFloat64Tables = R"(
+static inline double of_ld(const double* p, long long i) { return p[i]; }
+static inline void of_st(double* p, long long i, double v) { p[i] = v; }
+)";
+
 // Software prefetch. The hardware stream prefetchers stop at every 4 KiB page and must re-learn
 // each of a phase's streams there; with only a few cores each core's misses in flight, not DRAM,
 // limit a streaming pass. Each loop therefore runs in blocks of kPrefetchBlock bytes of its widest
@@ -122,7 +131,9 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
                                     const std::vector<std::string>& roles) {
   const bool ahead = variant_runs_states_ahead(plan, var);
   const ElementPhase& ph = plan.phase_for(i, ahead);
-  const std::string element_fn = element_function_name(plan, i, ahead);
+  const bool f64 = variant_computes_f64(var);
+  const std::string T = compute_type(var);
+  const std::string element_fn = element_function_name(plan, i, ahead, f64);
   const PhaseRoles rr = phase_roles(ph);
   const size_t nred = ph.reductions.size();
   const size_t nvalues = std::max<size_t>(plan.derived.size() + plan.tensor_derived.size(), 1);
@@ -135,7 +146,7 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   // run-time overlap check). The derived scalars are a private float copy, which the compiler can
   // see never aliases tensor memory, so they stay in registers.
   s << "\n// Phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
-    << "static inline void " << fn << "_run(int len, const float* __restrict u, double* __restrict acc, "
+    << "static inline void " << fn << "_run(int len, const " << T << "* __restrict u, double* __restrict acc, "
     << "unsigned long long rng, long long first_elem";
   for (int r : rr.used)
     s << ", " << storage_type(var[static_cast<size_t>(r)].dtype) << "* __restrict " << roles[static_cast<size_t>(r)] << "_p";
@@ -188,10 +199,11 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   s << "\nstatic void " << fn
     << "_chunk(const OfTensor& t, long long begin, int len, const double* derived_row, const double* tensor_row, "
        "double step, double* acc) {\n"
-    << "  float u[" << nvalues << "] = {0.0f};\n"
-    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (float)derived_row[d];\n";
+    << "  " << T << " u[" << nvalues << "] = {" << (f64 ? "0.0" : "0.0f") << "};\n"
+    << "  for (int d = 0; d < " << plan.derived.size() << "; ++d) u[d] = (" << T << ")derived_row[d];\n";
   if (plan.layout.tensor_values > 0)
-    s << "  of_phase" << i << "_tensor(derived_row, tensor_row, u + " << plan.derived.size() << ");  // this tensor's values\n";
+    s << "  of_phase" << i << "_tensor" << f64_suffix(f64) << "(derived_row, tensor_row, u + " << plan.derived.size()
+      << ");  // this tensor's values\n";
   s << "  (void)tensor_row; (void)step;\n";
   if (phase_rounds_stochastically(rr, var))  // (an update pass: states written ahead are float32)
     s << "  const unsigned long long rng = of_rng_base(t.rng_key, (unsigned long long)step);\n";
@@ -212,7 +224,8 @@ std::string generate_cpu_source(const Plan& plan, const std::vector<StorageVaria
   std::vector<std::string> roles = role_names(plan);
   std::ostringstream s;
   s << pr.header_comment() << "#define OF_ROLES " << pr.num_roles() << "\n#define OF_LANES " << kCpuReduceLanes
-    << "\n" << pr.common_source() << abi_source() << layout_source(plan) << kCpuTables;
+    << "\n" << pr.common_source(any_variant_computes_f64(variants)) << abi_source() << layout_source(plan) << kCpuTables
+    << (any_variant_computes_f64(variants) ? kCpuFloat64Tables : "");
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     if (plan.matrix()) {  // row by row over whole-row chunks (cpu_matrix_source.h)
       s << cpu_matrix_phase_source(plan, i, variants);

@@ -62,11 +62,12 @@ const char* kCudaDriverPrelude = R"(
 // (The scalar table's offset functions are printed before this from the plan's ScalarLayout.)
 
 // Storage dtypes (DType codes): 0 float32, 1 float16, 2 bfloat16, 3 int16 (master-weight
-// remainders: integers, stored exactly). Conversions use the hardware instructions, which round to
+// remainders: integers, stored exactly), 4 float64. Conversions use the hardware instructions, which round to
 // nearest-even like the prelude's software versions (only NaN payloads may differ); bfloat16
 // widening is a shift. of_narrow_sr: stochastic rounding with random bits r (low_precision_code.h).
 template <int DT> struct OfStorage { typedef unsigned short E; };
 template <> struct OfStorage<0> { typedef float E; };
+template <> struct OfStorage<4> { typedef double E; };  // float64: loads and stores of float64 math (of_load1d ...)
 // (Without __CUDA_ARCH__, i.e. when a test compiles this source as host C++, the prelude's
 // software conversions stand in for the instructions.)
 template <int DT> __device__ __forceinline__ float of_widen(typename OfStorage<DT>::E x) {
@@ -110,6 +111,22 @@ template <int DT> __device__ __forceinline__ float of_load1_ro(const typename Of
 template <int DT> __device__ __forceinline__ void of_store1(typename OfStorage<DT>::E* p, float v) { *p = of_narrow<DT>(v); }
 template <int DT> __device__ __forceinline__ void of_store1_sr(typename OfStorage<DT>::E* p, float v, unsigned r) { *p = of_narrow_sr<DT>(v, r); }
 
+// float64 math (a variant that computes in float64, variant_computes_f64): every role loaded as a
+// double (float64 unchanged, the others widened exactly) and stored from one (float64 unrounded; the
+// others rounded to float first, then as of_store1).
+template <int DT> __device__ __forceinline__ double of_widen_d(typename OfStorage<DT>::E x) {
+  if constexpr (DT == 4) return x;
+  else return (double)of_widen<DT>(x);
+}
+template <int DT> __device__ __forceinline__ typename OfStorage<DT>::E of_narrow_d(double v) {
+  if constexpr (DT == 4) return v;
+  else return of_narrow<DT>((float)v);
+}
+template <int DT> __device__ __forceinline__ double of_load1d(const typename OfStorage<DT>::E* p) { return of_widen_d<DT>(*p); }
+template <int DT> __device__ __forceinline__ double of_load1d_ro(const typename OfStorage<DT>::E* p) { return of_widen_d<DT>(__ldg(p)); }
+template <int DT> __device__ __forceinline__ void of_store1d(typename OfStorage<DT>::E* p, double v) { *p = of_narrow_d<DT>(v); }
+template <int DT> __device__ __forceinline__ void of_store1d_sr(typename OfStorage<DT>::E* p, double v, unsigned r) { *p = of_narrow_sr<DT>((float)v, r); }
+
 // Vectors of a role: its elements held as 16-byte words (uint4), element e at byte e * size (one
 // word holds 4 floats or 8 16-bit values; a variant mixing sizes moves 8 elements per vector, two
 // words for a float32 role). Little-endian lanes.
@@ -132,6 +149,27 @@ template <int DT> __device__ __forceinline__ void of_set_lane(uint4* w, int e, f
 }
 template <int DT> __device__ __forceinline__ void of_set_lane_sr(uint4* w, int e, float v, unsigned r) {
   of_set_bits<DT>(w, e, of_narrow_sr<DT>(v, r));
+}
+// Lanes as doubles (float64 math): a float64 role holds 2 elements per word, element e at word e / 2.
+template <int DT> __device__ __forceinline__ double of_lane_d(const uint4* w, int e) {
+  if constexpr (DT == 4) {
+    const uint4& word = w[e >> 1];
+    return (e & 1) ? __hiloint2double((int)word.w, (int)word.z) : __hiloint2double((int)word.y, (int)word.x);
+  } else {
+    return (double)of_lane<DT>(w, e);
+  }
+}
+template <int DT> __device__ __forceinline__ void of_set_lane_d(uint4* w, int e, double v) {
+  if constexpr (DT == 4) {
+    uint4& word = w[e >> 1];
+    const unsigned lo = (unsigned)__double2loint(v), hi = (unsigned)__double2hiint(v);
+    if (e & 1) { word.z = lo; word.w = hi; } else { word.x = lo; word.y = hi; }
+  } else {
+    of_set_lane<DT>(w, e, (float)v);
+  }
+}
+template <int DT> __device__ __forceinline__ void of_set_lane_d_sr(uint4* w, int e, double v, unsigned r) {
+  of_set_bits<DT>(w, e, of_narrow_sr<DT>((float)v, r));
 }
 // OF_CACHE_HINTS (a benchmark knob, default 0): 1 streams every 16-byte load and store through the
 // caches as evict-first (ld/st.global.cs), 2 only the stores.
@@ -269,27 +307,33 @@ bool writes_stochastically(const CudaPhaseRoles& pr, const StorageVariant& v) {
 std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
   const bool ahead = variant_runs_states_ahead(plan, var);
   const ElementPhase& ph = plan.phase_for(i, ahead);  // (the recomputing form for 16-bit states written ahead)
-  const std::string element_fn = element_function_name(plan, i, ahead);
+  // float64 math where the variant has a float64 role: double values, u and loads/stores (the _d forms).
+  const bool f64 = variant_computes_f64(var);
+  const std::string T = f64 ? "double" : "float", d = f64 ? "d" : "", _d = f64 ? "_d" : "";
+  const std::string element_fn = element_function_name(plan, i, ahead, f64);
   CudaPhaseRoles pr = cuda_phase_roles(ph);
   std::vector<std::string> roles = role_names(plan);
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
   auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
   auto size = [&](int r) { return static_cast<int>(dtype_size(var[static_cast<size_t>(r)].dtype)); };
-  auto type = [&](int r) { return dt(r) == 0 ? std::string("float") : std::string("unsigned short"); };
+  auto type = [&](int r) {
+    return dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
+  };
   size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   std::ostringstream s;
   s << "\n// phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
     << "__device__ __forceinline__ void of_phase" << i << "_v" << k
-    << "_chunk(const OfTensor& t, void* grad, long long begin, int len, const float* u, double* acc, unsigned long long rng) {\n";
+    << "_chunk(const OfTensor& t, void* grad, long long begin, int len, const " << T
+    << "* u, double* acc, unsigned long long rng) {\n";
   if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
     s << "  (void)t; (void)grad; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
     return s.str();
   }
   int narrow = pr.used[0];
-  bool all32 = true;
+  bool all32 = true;  // (or wider: a float64 role moves 2 elements per vector)
   for (int r : pr.used) {
     if (size(r) < size(narrow)) narrow = r;
-    all32 = all32 && size(r) == 4;
+    all32 = all32 && size(r) >= 4;
   }
   const int vec = 16 / size(narrow);  // elements per vector
   s << "  constexpr int kVec = " << vec << ";   // elements per vector (16 bytes of the narrowest role)\n"
@@ -314,18 +358,18 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   auto store1 = [&](int r, const std::string& idx) {
     std::ostringstream o;
     if (var[static_cast<size_t>(r)].stochastic)
-      o << "of_store1_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "], of_rng_bits(rng, rng_first + (unsigned long long)(" << idx << "), " << r
+      o << "of_store1" << d << "_sr<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "], of_rng_bits(rng, rng_first + (unsigned long long)(" << idx << "), " << r
         << "))";
     else
-      o << "of_store1<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "])";
+      o << "of_store1" << d << "<" << dt(r) << ">(" << nm(r) << "_p + " << idx << ", v[" << r << "])";
     return o.str();
   };
   // Scalar path: the head before the first 16-byte boundary, then the tail after the last vector.
   s << "  for (int j = threadIdx.x; j < scalar_count; j += OF_THREADS) {\n"
     << "    const int e = j < head ? j : body_end + (j - head);\n"
-    << "    float v[OF_ROLES];\n";
+    << "    " << T << " v[OF_ROLES];\n";
   for (int r : pr.reads)
-    s << "    v[" << r << "] = of_load1" << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
+    s << "    v[" << r << "] = of_load1" << d << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
   s << "    " << element_fn << "(v, u, acc);\n";
   for (int r : pr.writes) s << "    " << store1(r, "e") << ";\n";
   s << "  }\n";
@@ -349,15 +393,15 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "      if (vi < nvec) {\n";
   for (int r : pr.writes) s << "        uint4 " << nm(r) << "_out[" << words(r) << "];\n";
   s << "        #pragma unroll\n        for (int e = 0; e < kVec; ++e) {\n"
-    << "          float v[OF_ROLES];\n";
-  for (int r : pr.reads) s << "          v[" << r << "] = of_lane<" << dt(r) << ">(" << nm(r) << "_in[k], e);\n";
+    << "          " << T << " v[OF_ROLES];\n";
+  for (int r : pr.reads) s << "          v[" << r << "] = of_lane" << _d << "<" << dt(r) << ">(" << nm(r) << "_in[k], e);\n";
   s << "          " << element_fn << "(v, u, acc_u[k]);\n";
   for (int r : pr.writes) {
     if (var[static_cast<size_t>(r)].stochastic)
-      s << "          of_set_lane_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
+      s << "          of_set_lane" << _d << "_sr<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r
         << "], of_rng_bits(rng, rng_first + (unsigned long long)(head + vi * kVec + e), " << r << "));\n";
     else
-      s << "          of_set_lane<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r << "]);\n";
+      s << "          of_set_lane" << _d << "<" << dt(r) << ">(" << nm(r) << "_out, e, v[" << r << "]);\n";
   }
   s << "        }\n";
   for (int r : pr.writes)
@@ -457,6 +501,13 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
     s << "    of_phase" << i << "_tensor(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, "
       << (matrix ? "mt.matrix_sums + (m.matrix_offset + ch.begin / m.cols / m.matrix_rows) * OF_TENSOR_REDUCTIONS, shape, " : "")
       << "u + OF_DERIVED);\n";
+  const bool any_f64 = any_variant_computes_f64(variants);
+  if (any_f64) {  // float64 math's inputs, unrounded (computed for every tensor: a few double copies)
+    s << "    double ud[OF_VALUES_ARRAY];  // uniform inputs of float64 math (variants with a float64 role)\n"
+      << "    #pragma unroll\n    for (int d = 0; d < OF_DERIVED; ++d) ud[d] = uni[d];\n";
+    if (plan.layout.tensor_values > 0)
+      s << "    of_phase" << i << "_tensor_f64(uni, tensor_reductions + (long long)ch.tensor * OF_TENSOR_REDUCTIONS, ud + OF_DERIVED);\n";
+  }
   s
     << "    double acc[" << std::max<size_t>(nred, 1) << "] = {0.0};\n";
   if (stochastic)  // the step being taken: the table's count is committed by the last block, after every chunk
@@ -474,7 +525,8 @@ std::string element_kernel(const Plan& plan, size_t i, const std::vector<Storage
         << (update ? " of_phase" + std::to_string(i) + "_v" + std::to_string(k) + "_commit(t, m, ch.begin, ch.length, c - t.first_chunk, mt);" : "")
         << " break;\n";
     else
-      s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, u, acc, rng); break;\n";
+      s << "      case " << k << ": of_phase" << i << "_v" << k << "_chunk(t, grad, ch.begin, ch.length, "
+        << (variant_computes_f64(variants[k]) ? "ud" : "u") << ", acc, rng); break;\n";
   s << "      default: break;  // every tensor's variant is compiled (the executor guarantees it)\n    }\n";
   for (size_t k = 0; k < nred; ++k) {
     const Op op = g.node(ph.reductions[k]).op;
@@ -548,6 +600,11 @@ std::string cuda_uniform_prologue(const Plan& plan, size_t i) {
 std::string generate_cuda_source(const Plan& plan) { return generate_cuda_source(plan, default_variants(plan)); }
 
 std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVariant>& variants) {
+  // Matrix plans keep their row and column value tables in float32 on the device: float64 tensors
+  // step there on the reference and CPU backends (docs/architecture.md, Low precision).
+  if (plan.matrix() && any_variant_computes_f64(variants))
+    throw Error("the CUDA backend does not step float64 tensors with a chain of row or column values (" +
+                plan.program.chain_text + ") yet; use the cpu backend, or float32 storage");
   CPrinter pr(plan, cuda_dialect());
   std::ostringstream s;
   // Kernel shape, measured on an H200 (dev/h200_cuda_check.sh --tune): one 16-byte vector per role
@@ -568,7 +625,7 @@ std::string generate_cuda_source(const Plan& plan, const std::vector<StorageVari
     // took AdamW on gpt2-small from 93.6% to 97.4% of its floor and Adafactor's passes on
     // moe-experts from 88.8/83.8/87.3% to 90.2/87.8/91.9% (docs/performance.md).
     << "#ifndef OF_DYNAMIC_CHUNKS\n#define OF_DYNAMIC_CHUNKS 1\n#endif\n"
-    << pr.common_source() << abi_source() << layout_source(plan) << kCudaDriverPrelude;
+    << pr.common_source(any_variant_computes_f64(variants)) << abi_source() << layout_source(plan) << kCudaDriverPrelude;
   if (plan.matrix()) s << cuda_matrix_prelude();
   for (size_t i = 0; i < plan.phases.size(); ++i) {
     s << group_function(plan, i);

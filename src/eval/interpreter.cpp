@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "ir/low_precision.h"
 #include "optfuse/error.h"
@@ -184,11 +185,37 @@ void eval_tensor_values(const Plan& plan, const std::vector<NodeId>& nodes, cons
   }
 }
 
+// Whether a tensor computes in float64 (a role is float64: codegen's variant_computes_f64): the
+// float32 interpreter, which mirrors generated code, runs its chunks in double as that code does.
+static bool computes_f64(const TensorRef& t) {
+  if (t.param.dtype == DType::f64 || t.grad.dtype == DType::f64) return true;
+  for (const Buffer& b : t.states)
+    if (b.dtype == DType::f64) return true;
+  return false;
+}
+
 template <class T>
 void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
                        int groups, const std::vector<double>& tensor_reductions,
                        std::vector<std::vector<double>>& partials, MatrixTables* m) {
+  if constexpr (std::is_same_v<T, float>) {  // runs of chunks of float64 tensors in double
+    auto f64 = [&](size_t c) { return computes_f64(tensors[static_cast<size_t>(chunks[c].tensor)]); };
+    bool mixed = false;
+    for (size_t c = first; c < last && !mixed; ++c) mixed = f64(c);
+    if (mixed) {
+      for (size_t c = first; c < last;) {
+        size_t e = c + 1;
+        while (e < last && f64(e) == f64(c)) ++e;
+        if (f64(c))
+          run_element_phase<double>(plan, phase_index, tensors, chunks, c, e, table, groups, tensor_reductions, partials, m);
+        else
+          run_element_phase<float>(plan, phase_index, tensors, chunks, c, e, table, groups, tensor_reductions, partials, m);
+        c = e;
+      }
+      return;
+    }
+  }
   const ElementPhase& phase = plan.phases.at(phase_index);  // (its recomputing form has the same kind and reductions)
   const Program& p = plan.program;
   if (plan.matrix() && m == nullptr) throw Error("run_element_phase: a matrix plan needs its matrix tables");
@@ -397,7 +424,8 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
   // per further matrix, those that read the matrix's sums.
   const MatrixLayout& ml = m.layout;
   default_thread_pool().parallel_for(ml.matrices, [&](int64_t k0, int64_t k1) {
-    std::vector<T> val(g.size(), T(0));
+    std::vector<T> val_t(g.size(), T(0));
+    std::vector<double> val_f64;  // (the float32 interpreter's float64 tensors: in double, as generated code)
     std::vector<double> tensor_val(g.size(), 0.0);
     std::vector<double> acc[2] = {std::vector<double>(sums[0].size()), std::vector<double>(sums[1].size())};
     size_t t = static_cast<size_t>(std::upper_bound(ml.matrix_offset.begin(), ml.matrix_offset.end(), k0) - ml.matrix_offset.begin()) - 1;
@@ -410,38 +438,49 @@ void run_values_step(const Plan& plan, size_t phase, const std::vector<TensorRef
       if (ref.param.numel == 0) continue;  // no rows: its column (if any) has no values either (as on CUDA)
       const double* derived = table + L.derived_offset(groups) + ref.group * L.derived_per_group;
       const std::array<double, 4> shape = shape_values(ref);
-      // Uniform inputs, rounded to T as they enter row and column math (as element math).
-      for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<T>(derived[d]);
-      for (size_t i = 0; i < g.size(); ++i)
-        if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<T>(g.node(static_cast<NodeId>(i)).value);
-      for (int64_t b = first_b; b < last_b; ++b) {  // matrix by matrix: its tensor values read its sums
-        double* sums_row = m.matrix_sums.data() + m.sums_at(t, b);
-        eval_tensor_values(plan, b == first_b ? tensor_nodes : matrix_nodes, derived, tensor_reductions.data() + t * RT,
-                           shape.data(), tensor_val, sums_row);
-        for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<T>(tensor_val[static_cast<size_t>(id)]);
-        for (int side = 0; side < 2; ++side) {  // rows, then columns
-          const bool cols = side == 1;
-          const int64_t count = cols ? view.cols : view.matrix_rows;
-          const int64_t first = cols ? m.layout.col_offset[t] + b * view.cols : m.layout.row_offset[t] + b * view.matrix_rows;
-          const int64_t element0 = cols ? b * view.cols : b * view.matrix_rows;  // of the Rows / Cols state
-          const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
-          std::vector<double>& values = cols ? m.col_values : m.row_values;
-          const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
-          const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
-          std::fill(acc[side].begin(), acc[side].end(), 0.0);
-          for (int64_t x = 0; x < count; ++x) {
-            eval_line(g, nodes[side], ref, element0 + x, reductions.data() + static_cast<size_t>(first + x) * per_red, slot_of, val);
-            for (size_t d = 0; d < derived_ids.size(); ++d)
-              if (plan.level[static_cast<size_t>(derived_ids[d])] <= limit)
-                values[static_cast<size_t>(first + x) * per_val + d] = static_cast<double>(val[static_cast<size_t>(derived_ids[d])]);
-            for (size_t q = 0; q < sums[side].size(); ++q) {
-              const Node& rn = g.node(sums[side][q]);
-              acc[side][q] = reduce_add(rn.op, acc[side][q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
+      auto run = [&](auto& val) {
+        using V = typename std::decay_t<decltype(val)>::value_type;
+        // Uniform inputs, rounded to V as they enter row and column math (as element math).
+        for (size_t d = 0; d < plan.derived.size(); ++d) val[static_cast<size_t>(plan.derived[d])] = static_cast<V>(derived[d]);
+        for (size_t i = 0; i < g.size(); ++i)
+          if (g.node(static_cast<NodeId>(i)).op == Op::Const) val[i] = static_cast<V>(g.node(static_cast<NodeId>(i)).value);
+        for (int64_t b = first_b; b < last_b; ++b) {  // matrix by matrix: its tensor values read its sums
+          double* sums_row = m.matrix_sums.data() + m.sums_at(t, b);
+          eval_tensor_values(plan, b == first_b ? tensor_nodes : matrix_nodes, derived, tensor_reductions.data() + t * RT,
+                             shape.data(), tensor_val, sums_row);
+          for (NodeId id : plan.tensor_derived) val[static_cast<size_t>(id)] = static_cast<V>(tensor_val[static_cast<size_t>(id)]);
+          for (int side = 0; side < 2; ++side) {  // rows, then columns
+            const bool cols = side == 1;
+            const int64_t count = cols ? view.cols : view.matrix_rows;
+            const int64_t first = cols ? m.layout.col_offset[t] + b * view.cols : m.layout.row_offset[t] + b * view.matrix_rows;
+            const int64_t element0 = cols ? b * view.cols : b * view.matrix_rows;  // of the Rows / Cols state
+            const std::vector<double>& reductions = cols ? m.col_reductions : m.row_reductions;
+            std::vector<double>& values = cols ? m.col_values : m.row_values;
+            const std::vector<NodeId>& derived_ids = cols ? plan.col_derived : plan.row_derived;
+            const size_t per_red = cols ? CR : RR, per_val = cols ? CV : RV;
+            std::fill(acc[side].begin(), acc[side].end(), 0.0);
+            for (int64_t x = 0; x < count; ++x) {
+              eval_line(g, nodes[side], ref, element0 + x, reductions.data() + static_cast<size_t>(first + x) * per_red, slot_of, val);
+              for (size_t d = 0; d < derived_ids.size(); ++d)
+                if (plan.level[static_cast<size_t>(derived_ids[d])] <= limit)
+                  values[static_cast<size_t>(first + x) * per_val + d] = static_cast<double>(val[static_cast<size_t>(derived_ids[d])]);
+              for (size_t q = 0; q < sums[side].size(); ++q) {
+                const Node& rn = g.node(sums[side][q]);
+                acc[side][q] = reduce_add(rn.op, acc[side][q], contribution(rn.op, static_cast<double>(val[static_cast<size_t>(rn.in[0])])));
+              }
             }
+            for (size_t q = 0; q < sums[side].size(); ++q) sums_row[slot_of[static_cast<size_t>(sums[side][q])]] = acc[side][q];
           }
-          for (size_t q = 0; q < sums[side].size(); ++q) sums_row[slot_of[static_cast<size_t>(sums[side][q])]] = acc[side][q];
+        }
+      };
+      if constexpr (std::is_same_v<T, float>) {
+        if (computes_f64(ref)) {
+          val_f64.resize(g.size(), 0.0);
+          run(val_f64);
+          continue;
         }
       }
+      run(val_t);
     }
   });
 }

@@ -12,7 +12,8 @@ DType parse_dtype(const std::string& n) {
   if (n == "float16" || n == "f16" || n == "fp16" || n == "half") return DType::f16;
   if (n == "bfloat16" || n == "bf16") return DType::bf16;
   if (n == "int16" || n == "i16") return DType::i16;
-  throw Error("unknown dtype '" + n + "' (expected float32, float16, bfloat16 or int16)");
+  if (n == "float64" || n == "f64" || n == "fp64" || n == "double") return DType::f64;
+  throw Error("unknown dtype '" + n + "' (expected float32, float64, float16, bfloat16 or int16)");
 }
 
 uint16_t float_to_bf16_bits(float f) {
@@ -73,17 +74,23 @@ double load_element(const void* base, DType t, int64_t i) {
     case DType::f16: return f16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::i16: return static_cast<const int16_t*>(base)[i];
+    case DType::f64: return static_cast<const double*>(base)[i];
   }
   return 0;
 }
 
 void store_element(void* base, DType t, int64_t i, double v) {
+  if (t == DType::f64) {  // unrounded
+    static_cast<double*>(base)[i] = v;
+    return;
+  }
   float f = static_cast<float>(v);
   switch (t) {
     case DType::f32: static_cast<float*>(base)[i] = f; break;
     case DType::f16: static_cast<uint16_t*>(base)[i] = float_to_f16_bits(f); break;
     case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(f); break;
     case DType::i16: static_cast<int16_t*>(base)[i] = static_cast<int16_t>(std::lrint(std::fmin(std::fmax(v, -32768.0), 32767.0))); break;
+    case DType::f64: break;
   }
 }
 

@@ -480,7 +480,7 @@ Plan make_plan(const Chain& chain, const Precision& precision) { return make_pla
 bool Plan::runs_states_ahead(const std::vector<DType>& state_dtypes) const {
   if (recomputing.empty()) return true;
   for (int s : phases[phases.size() - 2].writes_states)
-    if (state_dtypes.at(static_cast<size_t>(s)) != DType::f32) return false;
+    if (state_dtypes.at(static_cast<size_t>(s)) != DType::f32 && state_dtypes.at(static_cast<size_t>(s)) != DType::f64) return false;
   return true;
 }
 
@@ -549,7 +549,7 @@ std::string Plan::describe(DType storage) const {
   int total_r = 0, total_w = 0;
   s << "plan for " << p.chain_text << "\n";
   // States stored in `storage` (but fixed-dtype ones): 16-bit ones written ahead run the recomputing forms.
-  const bool ahead = storage == DType::f32;
+  const bool ahead = storage == DType::f32 || storage == DType::f64;
   s << "  storage " << dtype_name(storage) << "; " << phases.size() << " pass(es) over memory\n";
   if (!recomputing.empty())
     s << "  states written ahead by phase " << phases.size() - 1 << " and read back by the update pass"

@@ -133,7 +133,7 @@ Workload make_workload(const std::string& name, double scale) {
 int64_t plan_bytes_per_element(const Plan& plan, DType dtype) {
   int64_t per = 0;
   for (size_t i = 0; i < plan.phases.size(); ++i) {  // (16-bit states written ahead: the recomputing forms)
-    const ElementPhase& ph = plan.phase_for(i, dtype == DType::f32);
+    const ElementPhase& ph = plan.phase_for(i, dtype == DType::f32 || dtype == DType::f64);
     per += ph.reads() + ph.writes();
   }
   return per * static_cast<int64_t>(dtype_size(dtype));
@@ -160,6 +160,12 @@ void fill_host(void* p, int64_t n, DType dtype, bool random, double value, uint6
         case DType::bf16: static_cast<uint16_t*>(p)[i] = random ? float_to_bf16_bits(x) : c_bf16; break;
         case DType::f16: static_cast<uint16_t*>(p)[i] = random ? float_to_f16_bits(x) : c_f16; break;
         case DType::i16: static_cast<int16_t*>(p)[i] = 0; break;  // master-weight remainders start at 0
+        case DType::f64: {
+          // 52 random bits k -> (2k + 1) / 2^52 - 1: uniform in (-1, 1), exact in double, never 0.
+          const uint64_t k = splitmix64(key ^ static_cast<uint64_t>(i)) >> 12;
+          static_cast<double*>(p)[i] = random ? (static_cast<double>(k) + 0.5) * std::ldexp(1.0, -51) - 1.0 : value;
+          break;
+        }
       }
     }
   });
