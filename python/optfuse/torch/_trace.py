@@ -15,10 +15,13 @@ express (Python control flow on element data, .item() of element data, ops the r
 know, indexing, scalar states other than the step) raises TraceError naming the construct.
 fuse() then checks the traced optimizer against the original on probe parameters before using it.
 
-Reductions: a 2-norm or the sum of a square of a whole parameter-shaped tensor is the IR's per-tensor
-sum of squares (Recorder.reduction; the rest are refused by name). So that a sum over the group's
-parameters in Python is never taken for a per-tensor one, the probe group holds two other parameters
-whose values are "foreign": one reaching the probe's update is refused.
+Reductions (Recorder.reduction): sums, means, p-norms and the largest |x| of a whole parameter-shaped
+tensor are the IR's per-tensor reductions; along the last or first dimension of a matrix, its row and
+column reductions (kinds "row" and "col"); cosine_similarity is sums in its scope; the rest are refused
+by name. Sizes (numel(), size(i), shape) are the real tensor's (Op::Shape: _ProbeDim, SymFloat). So that a
+sum over the group's parameters in Python is never taken for a per-tensor one, the probe group holds two
+other parameters whose values (and sizes) are "foreign": one reaching the probe's update is refused.
+A step that is other math for vectors than for matrices is both traces, selected on Op::Shape is_matrix.
 """
 import math
 import traceback
@@ -859,7 +862,7 @@ class _Recorder(TorchFunctionMode):
         if k not in ("element", "foreign"):
             raise TraceError(f"{what}: of a {'per-tensor' if k == 'tensor' else 'uniform'} value (a tensor whose "
                              "elements all hold one value per tensor or per step): the IR reduces per-element "
-                             "values only (the element count is not an input)")
+                             "values only")
         if self.param_numel is not None and x.numel() != self.param_numel:
             raise TraceError(f"{what}: of a tensor of shape {tuple(x.shape)} ({x.numel()} elements), not the "
                              f"parameter's ({self.param_numel}): the IR reduces whole parameter-shaped tensors only")
