@@ -103,8 +103,11 @@ def test_every_block_is_run_or_marked():
     assert len(RUNNABLE) >= 8, f"only {len(RUNNABLE)} runnable blocks: the docs lost their examples?"
 
 
-def _env():
+def _env(tmp_path):
     env = dict(os.environ)
+    # a kernel cache of the block's own (the blocks fill it, `optfuse cache --verify` checks it), not
+    # the reader's
+    env["OPTFUSE_CACHE_DIR"] = str(tmp_path / "kernel-cache")
     # the package as this suite imports it (an installed one, or python/ on PYTHONPATH)
     import optfuse
     pkg_parent = str(Path(optfuse.__file__).resolve().parents[1])
@@ -125,6 +128,6 @@ def test_block_runs(doc, line, lang, marks, code, tmp_path):
         (tmp_path / "build").symlink_to(BUILD)  # what the blocks name, as seen from the repository root
         (tmp_path / "examples").symlink_to(ROOT / "examples")
         cmd = ["bash", "-e", "-o", "pipefail", "-c", code]
-    r = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    r = subprocess.run(cmd, cwd=tmp_path, env=_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert r.returncode == 0, (f"{doc}:{line} ({lang}) exited with {r.returncode}\n--- block\n{code}"
                                f"--- stdout (end)\n{r.stdout[-3000:]}\n--- stderr (end)\n{r.stderr[-3000:]}")
