@@ -122,8 +122,13 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         """Groups from a state dict without some of this optimizer's keys (torch's, or an older
         torch's: no `maximize`, `nesterov`...) get the constructor's values, as torch's own
         __setstate__ fills them."""
+        # (torch's Optimizer.__setstate__ puts `differentiable` in defaults, not in groups: a class
+        # whose constructor has no such option keeps it out of its groups, as torch's does)
+        cls = self._torch_class()
+        fill = dict(_torch_setstate_keys(cls), **{k: v for k, v in self.defaults.items()
+                                                  if k != "differentiable" or _torch_has_option(cls, k)})
         for g in self.param_groups:
-            for k, v in self.defaults.items():
+            for k, v in fill.items():
                 g.setdefault(k, v)
 
     # --- subclass interface (see module docstring)
@@ -151,7 +156,7 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         if torch.is_complex(p):
             raise OptfuseError(f"{type(self).__name__}: complex parameters are not supported (shape {tuple(p.shape)})")
         if dtype_code(p) is None:
-            raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float16 or bfloat16, got "
+            raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float64, float16 or bfloat16, got "
                                f"{p.dtype} (shape {tuple(p.shape)})")
 
     # --- torch.optim.Optimizer API
@@ -163,9 +168,9 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
                 self._check_param(p)
             _check_precision_options(type(self).__name__, group)
             _host_view(group)  # CUDA-tensor hyperparameters read now, not when the first step is queued
-            if group.get("differentiable", False):
-                raise OptfuseError(f"{type(self).__name__}: differentiable=True is not supported (optfuse steps "
-                                   "parameters in place, outside autograd)")
+            if group.get("differentiable", False) and self._torch_class() is None:
+                raise OptfuseError(f"{type(self).__name__}: differentiable=True steps through torch's own class (autograd "
+                                   "through the step), and torch.optim has no {type(self).__name__}")
             self._of_dirty = True
 
     def state_dict(self):
@@ -247,7 +252,62 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
             for src, dst in self._copies:
                 dst.copy_(src)
             self._launch(grad_scale, found_inf, capturing)
+            if self._differentiable:
+                self._step_differentiable(grad_scale, found_inf)
         return loss
+
+    # --- differentiable=True: torch's own step
+    def _torch_class(self):
+        """The torch.optim class this one replaces (None: none)."""
+        cls = getattr(self, "_torch_cls", None) or getattr(torch.optim, type(self).__name__, None)
+        return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
+
+    def _step_differentiable(self, grad_scale, found_inf):
+        """Steps the groups that set differentiable=True with torch's own class (autograd through the
+        step is their point: a kernel outside autograd cannot give it), on the same group dicts and
+        the same state, so state dicts stay one and in torch's format."""
+        groups = self._differentiable
+        d = self.__dict__.get("_torch_delegate")
+        if d is None or d.param_groups != groups or any(a is not b for a, b in zip(d.param_groups, groups)):
+            cls = self._torch_class()
+            d = cls.__new__(cls)
+            torch.optim.Optimizer.__init__(d, groups, dict(self.defaults, differentiable=True))
+            d.param_groups = groups  # (the very dicts: a scheduler's or the user's edits apply)
+            self.__dict__["_torch_delegate"] = d
+        d.state = self.state
+        if grad_scale is not None or found_inf is not None:
+            d.grad_scale, d.found_inf = grad_scale, found_inf
+        # torch's step below its hook wrapper: this optimizer's step() already ran the hooks once
+        step = type(d).step
+        step = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
+        step(d)
+
+
+_SETSTATE_KEYS = {}
+
+
+def _torch_setstate_keys(cls):
+    """The group keys (and values) torch's class `cls` fills in when it loads a group without them
+    (its __setstate__'s setdefault calls: `differentiable` for Adafactor, `maximize` for SGD...)."""
+    if cls is None:
+        return {}
+    if cls not in _SETSTATE_KEYS:
+        keys = {}
+        try:
+            dummy = torch.zeros(1, requires_grad=True)
+            t = cls([dummy])
+            t.__setstate__({"state": {}, "param_groups": [{"params": [dummy]}]})
+            keys = {k: v for k, v in t.param_groups[0].items() if k != "params"}
+        except Exception:  # noqa: BLE001 (a class whose __setstate__ needs more: nothing to add)
+            keys = {}
+        _SETSTATE_KEYS[cls] = keys
+    return _SETSTATE_KEYS[cls]
+
+
+def _torch_has_option(cls, key):
+    """Whether torch's class `cls` (None: no torch class) has the constructor option `key`."""
+    import inspect
+    return cls is None or key in inspect.signature(cls.__init__).parameters
 
 
 def _check_loaded_steps(name, state_dict):

@@ -38,6 +38,8 @@ class TableBinding:
         self._copies = []
         self._tensor_hypers = False
         self._on_cuda = False
+        self._differentiable = []  # the groups torch's own class steps (differentiable=True)
+        self._differentiable_flags = []
 
     def _forget_tables(self):
         """After load_state_dict: nothing of the old tables is trusted; the next step rebuilds them
@@ -80,6 +82,9 @@ class TableBinding:
         groups = self.param_groups
         if len(groups) != len(self._sigs):
             return False
+        if self._differentiable or any(g.get("differentiable", False) for g in groups):
+            if self._differentiable_flags != [bool(g.get("differentiable", False)) for g in groups]:
+                return False
         get = self._sig_get
         for i, g in enumerate(groups):
             sig = get(g)
@@ -186,9 +191,10 @@ class TableBinding:
         first = []  # per group: the watch index of its first parameter
         for tg, g in enumerate(groups):
             first.append(w)
+            differentiable = bool(g.get("differentiable", False))  # (torch's class steps it: _base.py)
             for p in g["params"]:
                 grad = grads[w]
-                if grad is not None:
+                if grad is not None and not differentiable:
                     if grad.is_sparse:
                         raise OptfuseError(f"{type(self).__name__}: sparse gradients are not supported "
                                            f"(parameter of shape {tuple(p.shape)} in group {tg})")
@@ -242,6 +248,8 @@ class TableBinding:
                 built(engine)
             engines[(key, device, storage)] = engine
         self._engines = engines
+        self._differentiable = [g for g in groups if g.get("differentiable", False)]
+        self._differentiable_flags = [bool(g.get("differentiable", False)) for g in groups]
         self._bind_step_tensors()
         self._watch_tables()
         sigs = [self._sig_get(g) for g in groups]
@@ -468,7 +476,7 @@ def _check_grad(name, p, grad, tg, i):
                            f"the parameter's is {tuple(p.shape)}")
     if dtype_code(grad) is None:
         raise OptfuseError(f"{name}: the gradient of parameter {i} of group {tg} is {grad.dtype}; optfuse steps "
-                           "float32, float16 and bfloat16 gradients")
+                           "float32, float64, float16 and bfloat16 gradients")
     if grad.device != p.device:
         raise OptfuseError(f"{name}: the gradient of parameter {i} of group {tg} is on {grad.device}; the parameter "
                            f"is on {p.device}")

@@ -32,9 +32,10 @@ from ._dtensor import local
 HAS_DLPACK_EXCHANGE = _core._set_torch_exchange(torch.Tensor)
 
 # optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3}
-_FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int16": torch.int16}
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3, torch.float64: 4}
+_FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 4}
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int16": torch.int16,
+                "float64": torch.float64}
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -197,7 +198,7 @@ class Engine:
             if value.numel() != 1:
                 raise _core.OptfuseError(f"hyperparameter {name} must be a number or a one-element tensor, "
                                          f"got a tensor of shape {tuple(value.shape)}")
-            return float(value)
+            return float(value.detach().item())
         if isinstance(value, (str, bytes)) or not isinstance(value, (int, float)):
             raise TypeError(f"hyperparameter {name} of group {self.groups[gi][0]} must be a number, "
                             f"got {type(value).__name__} {value!r}")

@@ -144,7 +144,7 @@ class FusedFunction:
         if g is None:
             raise self._refuse(f"gradient {i} is None")
         if dtype_code(p) is None or torch.is_complex(p):
-            raise self._refuse(f"parameter {i} is {p.dtype}; optfuse steps float32, float16 and bfloat16 tensors")
+            raise self._refuse(f"parameter {i} is {p.dtype}; optfuse steps float32, float64, float16 and bfloat16 tensors")
         if g.is_sparse:
             raise self._refuse(f"gradient {i} is sparse")
         for t, what in [(p, "parameter"), (g, "gradient")] + [(lst[i], f"'{k}'") for k, lst in state_lists]:

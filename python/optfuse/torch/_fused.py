@@ -100,9 +100,11 @@ def fuse(opt):
     if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
         from ._fuse_fn import FusedFunction
         return FusedFunction(opt)
+    cls = _FUSABLE.get(type(opt)) or _third_party_drop_ins().get(type(opt))
     for i, g in enumerate(opt.param_groups):
-        if g.get("differentiable"):
-            raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True, which optfuse does not support")
+        if g.get("differentiable") and cls is None:
+            raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True: a traced step runs outside "
+                               "autograd (the drop-ins of torch.optim's classes step such groups with torch's own)")
         for p in g["params"]:
             if torch.is_complex(p):
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a complex parameter {tuple(p.shape)}, "
@@ -110,7 +112,6 @@ def fuse(opt):
             if p.grad is not None and p.grad.is_sparse:
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a sparse gradient {tuple(p.shape)}, "
                                    "which optfuse does not support")
-    cls = _FUSABLE.get(type(opt)) or _third_party_drop_ins().get(type(opt))
     if cls is None:  # no hand-written drop-in: trace its step (refused with the reason if it cannot be)
         from ._traced import fuse_by_tracing
         return fuse_by_tracing(opt)

@@ -9,7 +9,7 @@ def _scalar_dtype():
 
 
 def _plain(v):
-    return float(v) if torch.is_tensor(v) else v
+    return v.detach().item() if torch.is_tensor(v) else v
 
 
 class DeviceValue(float):
@@ -48,7 +48,7 @@ def _sig_key(v):
     (read with no device round trip), the tensor's identity for CUDA tensors (the kernel reads
     them in place, so a fill_ needs no push)."""
     if torch.is_tensor(v):
-        return ("tensor", id(v)) if v.is_cuda else float(v)
+        return ("tensor", id(v)) if v.is_cuda else v.detach().item()
     if isinstance(v, (tuple, list)):
         return tuple(_sig_key(x) for x in v)
     return v

@@ -291,7 +291,7 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
-            if not torch.is_complex(p) and dtype_code(p) is None:
+            if not torch.is_complex(p) and (dtype_code(p) is None or p.dtype == torch.float64):
                 raise OptfuseError(f"Muon: parameters must be float32, float16 or bfloat16, got {p.dtype} "
                                    f"(shape {tuple(p.shape)})")
         self._of_dirty = True

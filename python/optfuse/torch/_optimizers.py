@@ -11,18 +11,11 @@ from ._base import DeviceValue, FusedOptimizer, OptfuseError, _plain, _scalar_dt
 
 
 def _torch_defaults(cls, kwargs):
-    """The defaults dict torch's own class builds from these arguments: torch's errors first (e.g.
-    "`fused` does not support `differentiable`"), then the inputs optfuse refuses (_reject)."""
+    """The defaults dict torch's own class builds from these arguments, with torch's errors (e.g.
+    "`fused` does not support `differentiable`"). differentiable=True is accepted: those groups are
+    stepped by torch's own class (FusedOptimizer._step_differentiable)."""
     dummy = torch.zeros(1, requires_grad=True)
-    defaults = cls([dummy], **kwargs).defaults
-    _reject(cls.__name__, kwargs)
-    return defaults
-
-
-def _reject(name, kwargs):
-    if kwargs.get("differentiable"):
-        raise OptfuseError(f"{name}: differentiable=True is not supported (optfuse steps parameters in place, "
-                           "outside autograd)")
+    return cls([dummy], **kwargs).defaults
 
 
 def _wd_arg(features, groups):
