@@ -87,8 +87,13 @@ class TableWatch {
   // parameter params[slots[k]] itself and the state tensors state_dicts[k][key] for each key of
   // keys[k], where state_dicts[k] is the dict `state[params[slots[k]]]` (state: the optimizer's
   // opt.state mapping, handed to check() each time: it is replaced by load_state_dict).
+  // Entries under the keys of `same_object_keys` (one list per slot, or none) are only checked to be
+  // the same object: tensors the kernel neither reads nor writes (the step tensors the front end
+  // advances), whose replacement the caller must notice but whose memory no launch touches.
   void watch_tables(nb::object state, std::vector<int64_t> slots, std::vector<nb::object> state_dicts,
-                    std::vector<std::vector<nb::object>> keys) {
+                    std::vector<std::vector<nb::object>> keys, std::vector<std::vector<nb::object>> same_object_keys) {
+    if (!same_object_keys.empty() && same_object_keys.size() != slots.size())
+      throw Error("_TableWatch.watch_tables: one same-object key list per slot");
     if (state_dicts.size() != slots.size() || keys.size() != slots.size())
       throw Error("_TableWatch.watch_tables: one state dict and one key list per slot");
     state_ = std::move(state);
@@ -113,7 +118,17 @@ class TableWatch {
           throw Error("_TableWatch.watch_tables: a watched state is missing");
         }
         nb::object state_obj = nb::borrow(s);
-        e.states.push_back({key, state_obj, describe(tensor_of(state_obj, local_[e.slot]).ptr())});
+        e.states.push_back({key, state_obj, describe(tensor_of(state_obj, local_[e.slot]).ptr()), true});
+      }
+      if (!same_object_keys.empty()) {
+        for (nb::object& key : same_object_keys[k]) {
+          PyObject* s = e.dict.is_none() ? nullptr : PyDict_GetItemWithError(e.dict.ptr(), key.ptr());  // borrowed
+          if (!s) {
+            if (PyErr_Occurred()) throw nb::python_error();
+            throw Error("_TableWatch.watch_tables: a watched state is missing");
+          }
+          e.states.push_back({key, nb::borrow(s), TensorLayout(), false});
+        }
       }
       entries_.push_back(std::move(e));
     }
@@ -134,6 +149,7 @@ class TableWatch {
           return 2;
         }
         if (now != s.object.ptr()) return 2;
+        if (!s.read) continue;
         nb::object lt = tensor_of(nb::handle(now), local_[e.slot]);
         if (!same(lt.ptr(), s.layout)) return 2;
       }
@@ -198,6 +214,7 @@ class TableWatch {
   struct WatchedState {
     nb::object key, object;
     TensorLayout layout;
+    bool read;  // its layout is compared (a tensor the kernel steps), else only its identity
   };
   struct Entry {
     size_t slot = 0;
@@ -343,7 +360,8 @@ void bind_table_watch(nb::module_& m) {
   nb::class_<TableWatch>(m, "_TableWatch")
       .def(nb::init<std::vector<nb::object>, std::vector<int64_t>, std::vector<bool>>(), "params"_a,
            "offsets"_a = std::vector<int64_t>(), "local_shard"_a = std::vector<bool>())
-      .def("watch_tables", &TableWatch::watch_tables, "state"_a, "slots"_a, "state_dicts"_a, "keys"_a)
+      .def("watch_tables", &TableWatch::watch_tables, "state"_a, "slots"_a, "state_dicts"_a, "keys"_a,
+           "same_object_keys"_a = std::vector<std::vector<nb::object>>())
       .def("check", &TableWatch::check, "state"_a.none() = nb::none())
       .def("snapshot", &TableWatch::snapshot)
       .def("pointers", [](const TableWatch& w) { return w.pointers(); })

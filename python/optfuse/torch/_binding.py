@@ -32,6 +32,7 @@ class TableBinding:
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._step_views = WeakIdKeyDictionary()  # parameter -> the state["step"] tensor the step advances
         self._step_bufs = []  # per engine whose steps are counted: (the tensor the views view, engine)
+        self._plain_launch = None  # the calls of a plain CPU step (_make_plain_launch)
         self._sigs = []
         self._keys = []
         self._features_by_key = {}
@@ -50,12 +51,17 @@ class TableBinding:
         self._ustates = {}
         self._step_views = WeakIdKeyDictionary()
         self._step_bufs = []
+        self._plain_launch = None
         self._of_dirty = True
 
     def _launch(self, grad_scale, found_inf, capturing):
         """Every engine's launch and the step tensors' advance, in one C call per device
         (_core._call_each): a KeyboardInterrupt lands before all of it or after all of it, so the
         step either happened and is recorded everywhere, or did not happen."""
+        plain = self._plain_launch
+        if plain is not None and grad_scale is None and found_inf is None and not capturing:
+            _core._call_each(plain)  # (the common CPU step: its calls made once, at the rebuild)
+            return None
         calls, keep, devices = [], [], set()
         for e in self._engines.values():
             call, gs, fi = e.launch(grad_scale, found_inf, capturing)
@@ -252,6 +258,7 @@ class TableBinding:
         self._differentiable_flags = [bool(g.get("differentiable", False)) for g in groups]
         self._bind_step_tensors()
         self._watch_tables()
+        self._plain_launch = self._make_plain_launch()
         sigs = [self._sig_get(g) for g in groups]
         self._tensor_hypers = any(torch.is_tensor(x) for s in sigs for v in s
                                   for x in (v if isinstance(v, (tuple, list)) else (v,)))
@@ -261,6 +268,14 @@ class TableBinding:
         # DTensor parameters: the eager step (the custom op would be handed DTensors, not their shards)
         self._graph = None if dtensors else self._make_graph_layout(groups)
         self._of_dirty = False
+
+    def _make_plain_launch(self):
+        """The calls of a step without GradScaler or capture on CPU engines (their arguments never
+        change between rebuilds), or None where a step must make them (a CUDA stream is read per step)."""
+        if any(e.device.type != "cpu" for e in self._engines.values()):
+            return None
+        calls = [(e.core._step_raw, (0, 0, 0)) for e in self._engines.values() if e.params]
+        return calls + [c for buf, _ in self._step_bufs for c in _advance_calls(buf, None)]
 
     def _bind_step_tensors(self):
         """Makes state["step"] of every parameter of a counted engine a 0-dim view of one tensor per
@@ -290,19 +305,22 @@ class TableBinding:
         optfuse keeps privately. (ZeRO's pieces are its own tensors: it watches their parameters.)"""
         if self.__dict__.get("_grad_sources") is not None:
             return
-        slots, dicts, keys = [], [], []
+        slots, dicts, keys, same_object = [], [], [], []
         for e in self._engines.values():
             per = len(e.state_names)
             for k, p in enumerate(e.params):
                 st = self.state.get(p)
-                mine = []
+                stepped, steps = [], []
                 if st is not None:
                     ids = {id(t) for t in e.states[k * per:(k + 1) * per]}
-                    mine = [key for key, v in st.items() if torch.is_tensor(v) and (id(v) in ids or key == "step")]
+                    stepped = [key for key, v in st.items() if torch.is_tensor(v) and id(v) in ids]
+                    # the step tensor: no launch touches it, only its replacement matters
+                    steps = ["step"] if torch.is_tensor(st.get("step")) and "step" not in stepped else []
                 slots.append(e.indices[k])
                 dicts.append(st)
-                keys.append(mine)
-        self._watch.watch_tables(self.state, slots, dicts, keys)
+                keys.append(stepped)
+                same_object.append(steps)
+        self._watch.watch_tables(self.state, slots, dicts, keys, same_object)
 
     def _watch_gradients(self, params, dtensors):
         """Makes the GradWatch that each step() asks whether gradients moved; returns each parameter's
