@@ -44,6 +44,7 @@ struct TensorLayout {
   int32_t ndim = -1;  // -1: not read (absent tensor)
   std::vector<int64_t> dims;  // shape, then strides (in elements)
   nb::object slow;  // the Python description, where the exchange API could not read the tensor
+  bool unreadable = false;  // neither could describe it (a sparse tensor has no data_ptr())
 
   bool same_but_pointer(const TensorLayout& o) const {
     if (slow.is_valid() || o.slow.is_valid()) {
@@ -174,6 +175,14 @@ class TableWatch {
       const TensorLayout& was = grads_[i];
       if ((g != Py_None) != (was.ndim >= 0)) return 2;  // a gradient appeared or vanished
       if (g == Py_None) continue;
+      if (was.unreadable) {  // (a sparse gradient, stepped by torch's class: rebuild once it is readable)
+        try {
+          describe(g);
+        } catch (nb::python_error&) {
+          continue;
+        }
+        return 2;
+      }
       if (same(g, was)) continue;
       if (!same(g, was, true)) return 2;
       grads_[i] = describe(g);
@@ -197,9 +206,10 @@ class TableWatch {
         try {
           grads_[i] = describe(grad.ptr());
           ptrs_[i] = nb::cast<uint64_t>(grad.attr(name_data_ptr_)()) + static_cast<uint64_t>(offsets_[i]);
-        } catch (nb::python_error&) {  // e.g. a sparse gradient: the caller reports it by name
+        } catch (nb::python_error&) {  // e.g. a sparse gradient: the caller steps it or reports it
+          grads_[i] = TensorLayout();
           grads_[i].ndim = 0;
-          grads_[i].slow = nb::str("unreadable");
+          grads_[i].unreadable = true;
         }
       }
       out.append(grad);

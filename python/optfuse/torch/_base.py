@@ -43,7 +43,7 @@ import torch.optim.optimizer as _torch_opt
 from .. import _core
 from . import _compile
 from ._binding import TableBinding, _with_unscale  # noqa: F401
-from ._engine import dtype_code
+from ._engine import dtype_code, real_view
 from ._group_values import (DeviceValue, _host_number, _host_view, _is_dense, _plain, _scalar_dtype,  # noqa: F401
                             _sig_key)
 from ._precision import (_PRECISION, _check_precision_options, _taking_precision_options)
@@ -152,10 +152,10 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         return step
 
     def _check_param(self, p):
-        """Refuses a parameter the kernels cannot step, when it is added."""
-        if torch.is_complex(p):
-            raise OptfuseError(f"{type(self).__name__}: complex parameters are not supported (shape {tuple(p.shape)})")
-        if dtype_code(p) is None:
+        """Refuses a parameter the kernels cannot step, when it is added. A complex parameter is
+        stepped as torch steps it: its real view (torch.view_as_real), element-wise rules on real and
+        imaginary parts, norms over both (which are the complex values' norms)."""
+        if dtype_code(real_view(p)) is None:
             raise OptfuseError(f"{type(self).__name__}: parameters must be float32, float64, float16 or bfloat16, got "
                                f"{p.dtype} (shape {tuple(p.shape)})")
 
@@ -252,28 +252,32 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
             for src, dst in self._copies:
                 dst.copy_(src)
             self._launch(grad_scale, found_inf, capturing)
-            if self._differentiable:
-                self._step_differentiable(grad_scale, found_inf)
+            if self._by_torch:
+                self._step_with_torch(grad_scale, found_inf)
         return loss
 
-    # --- differentiable=True: torch's own step
+    # --- what torch's own class steps: differentiable=True groups, sparse gradients
     def _torch_class(self):
         """The torch.optim class this one replaces (None: none)."""
         cls = getattr(self, "_torch_cls", None) or getattr(torch.optim, type(self).__name__, None)
         return cls if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) else None
 
-    def _step_differentiable(self, grad_scale, found_inf):
-        """Steps the groups that set differentiable=True with torch's own class (autograd through the
-        step is their point: a kernel outside autograd cannot give it), on the same group dicts and
-        the same state, so state dicts stay one and in torch's format."""
-        groups = self._differentiable
+    def _step_with_torch(self, grad_scale, found_inf):
+        """Steps with torch's own class what a fused kernel cannot: groups that set
+        differentiable=True (autograd through the step is their point) and parameters whose
+        gradients are sparse (SGD, Adagrad), on the same state and the current group values, so
+        state dicts stay one and in torch's format."""
         d = self.__dict__.get("_torch_delegate")
-        if d is None or d.param_groups != groups or any(a is not b for a, b in zip(d.param_groups, groups)):
+        if d is None:  # (made once per rebuild: torch's constructor validates)
             cls = self._torch_class()
             d = cls.__new__(cls)
+            groups = [g if ps is None else dict(g, params=list(ps)) for g, ps in self._by_torch]
             torch.optim.Optimizer.__init__(d, groups, dict(self.defaults, differentiable=True))
-            d.param_groups = groups  # (the very dicts: a scheduler's or the user's edits apply)
             self.__dict__["_torch_delegate"] = d
+        # the very dicts of whole groups (differentiable: their tensors' autograd), fresh copies of
+        # the current values for parameter subsets
+        d.param_groups = [g if ps is None else dict(g, params=ps) for g, ps in self._by_torch]
+        d.defaults["differentiable"] = any(g.get("differentiable", False) for g, _ in self._by_torch)
         d.state = self.state
         if grad_scale is not None or found_inf is not None:
             d.grad_scale, d.found_inf = grad_scale, found_inf

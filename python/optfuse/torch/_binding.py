@@ -10,7 +10,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _core
 from . import _dtensor
-from ._engine import Engine, _on_device, dtype_code
+from ._engine import Engine, _on_device, dtype_code, real_view
 from ._group_values import _host_view, _is_dense, _plain, _scalar_dtype, _sig_key
 from ._precision import _chain_precision, _precision_of, _state_dtype
 
@@ -39,7 +39,7 @@ class TableBinding:
         self._copies = []
         self._tensor_hypers = False
         self._on_cuda = False
-        self._differentiable = []  # the groups torch's own class steps (differentiable=True)
+        self._by_torch = []  # (group, its parameters or None: all) that torch's own class steps
         self._differentiable_flags = []
 
     def _forget_tables(self):
@@ -88,7 +88,7 @@ class TableBinding:
         groups = self.param_groups
         if len(groups) != len(self._sigs):
             return False
-        if self._differentiable or any(g.get("differentiable", False) for g in groups):
+        if self._by_torch or any(g.get("differentiable", False) for g in groups):
             if self._differentiable_flags != [bool(g.get("differentiable", False)) for g in groups]:
                 return False
         get = self._sig_get
@@ -195,19 +195,27 @@ class TableBinding:
         buckets = {}
         w = 0
         first = []  # per group: the watch index of its first parameter
+        by_torch = {}  # group index -> its parameters with sparse gradients (stepped by torch's class)
         for tg, g in enumerate(groups):
             first.append(w)
             differentiable = bool(g.get("differentiable", False))  # (torch's class steps it: _base.py)
             for p in g["params"]:
                 grad = grads[w]
-                if grad is not None and not differentiable:
-                    if grad.is_sparse:
+                if grad is not None and not differentiable and grad.is_sparse:
+                    # torch's own class steps it (SGD and Adagrad accept sparse gradients; the others
+                    # raise torch's error), the rest of the group stays fused
+                    if self._torch_class() is None:
                         raise OptfuseError(f"{type(self).__name__}: sparse gradients are not supported "
                                            f"(parameter of shape {tuple(p.shape)} in group {tg})")
+                    by_torch.setdefault(tg, []).append(p)
+                elif grad is not None and not differentiable:
                     lp = _dtensor.local(p)  # the tensor the kernel steps: p, or a DTensor's local shard
                     if lp is not p:
                         _dtensor.check_grad(type(self).__name__, p, tg)
                     _check_grad(type(self).__name__, lp, _dtensor.local(grad), tg, w - first[tg])
+                    if lp.is_complex() != grad.is_complex():
+                        raise OptfuseError(f"{type(self).__name__}: parameter {w - first[tg]} of group {tg} is "
+                                           f"{p.dtype} but its gradient is {grad.dtype}")
                     if not _is_dense(lp):
                         raise OptfuseError(f"{type(self).__name__}: parameter of shape {tuple(p.shape)} (group {tg}) "
                                            f"overlaps itself or has gaps (strides {p.stride()}); optfuse needs "
@@ -254,8 +262,12 @@ class TableBinding:
                 built(engine)
             engines[(key, device, storage)] = engine
         self._engines = engines
-        self._differentiable = [g for g in groups if g.get("differentiable", False)]
+        # What torch's own class steps: groups with differentiable=True (whole: None), and parameters
+        # with sparse gradients (_base.py, _step_with_torch)
         self._differentiable_flags = [bool(g.get("differentiable", False)) for g in groups]
+        self._by_torch = [(g, None) for g in groups if g.get("differentiable", False)]
+        self._by_torch += [(groups[tg], ps) for tg, ps in sorted(by_torch.items())]
+        self.__dict__.pop("_torch_delegate", None)
         self._bind_step_tensors()
         self._watch_tables()
         self._plain_launch = self._make_plain_launch()
@@ -489,6 +501,7 @@ def _check_grad(name, p, grad, tg, i):
     """Refuses, before anything is stepped, a gradient the kernel would read past or misread:
     another shape (torch raises a size mismatch) or device than its parameter, or a dtype no
     kernel reads (a gradient may have another float dtype than its parameter: param.grad_dtype)."""
+    p, grad = real_view(p), real_view(grad)
     if grad.shape != p.shape:
         raise OptfuseError(f"{name}: the gradient of parameter {i} of group {tg} has shape {tuple(grad.shape)}; "
                            f"the parameter's is {tuple(p.shape)}")

@@ -41,6 +41,12 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def real_view(t):
+    """t, or for a complex tensor its real view (torch.view_as_real: the last dimension of 2 holds
+    the real and imaginary parts), which is what the kernel steps, as torch's optimizers do."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def dtype_code(t):
     """The optfuse code of a parameter's dtype, None if optfuse cannot step it."""
     return _FLOAT_CODES.get(t.dtype)
@@ -148,8 +154,9 @@ class Engine:
             self.indices.append(widx)
             self.group_of.append(gi)
             self.states.extend(states)
-            # A DTensor (FSDP2) parameter, gradient or state: the kernel steps its local shard.
-            p, g, states = local(p), local(g), [local(s) for s in states]
+            # A DTensor (FSDP2) parameter, gradient or state: the kernel steps its local shard; a
+            # complex one, its real view.
+            p, g, states = real_view(local(p)), real_view(local(g)), [real_view(local(s)) for s in states]
             ptrs_p.append(p.data_ptr())
             ptrs_g.append(g.data_ptr())
             ptrs_s.extend(s.data_ptr() for s in states)

@@ -106,10 +106,10 @@ def fuse(opt):
             raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True: a traced step runs outside "
                                "autograd (the drop-ins of torch.optim's classes step such groups with torch's own)")
         for p in g["params"]:
-            if torch.is_complex(p):
+            if torch.is_complex(p) and cls is None:
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a complex parameter {tuple(p.shape)}, "
                                    "which optfuse does not support")
-            if p.grad is not None and p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse and cls is None:
                 raise OptfuseError(f"optfuse.torch.fuse: group {i} has a sparse gradient {tuple(p.shape)}, "
                                    "which optfuse does not support")
     if cls is None:  # no hand-written drop-in: trace its step (refused with the reason if it cannot be)

@@ -144,7 +144,9 @@ class Adagrad(_OptionalWeightDecay):
                 st = self.state[p]
                 st["step"] = torch.tensor(0.0, dtype=torch.float32 if torch.get_default_dtype() != torch.float64
                                           else torch.float64)
-                st["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
+                init = float(group["initial_accumulator_value"])
+                # (a complex parameter's sum: init in both parts, as torch's)
+                st["sum"] = torch.full_like(p, complex(init, init) if torch.is_complex(p) else init,
                                             memory_format=torch.preserve_format)
 
     def _structure(self, g):
