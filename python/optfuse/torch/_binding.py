@@ -33,6 +33,8 @@ class TableBinding:
         self._step_views = WeakIdKeyDictionary()  # parameter -> the state["step"] tensor the step advances
         self._step_bufs = []  # per engine whose steps are counted: (the tensor the views view, engine)
         self._plain_launch = None  # the calls of a plain CPU step (_make_plain_launch)
+        self._gathers = []   # (parameter with gaps, the dense copy the kernel steps)
+        self._dense_of = {}  # id(parameter) -> its dense copy
         self._sigs = []
         self._keys = []
         self._features_by_key = {}
@@ -71,17 +73,25 @@ class TableBinding:
             devices.add(e.device)
             calls.append((e, call, fi))
         advance = {id(e): buf for buf, e in self._step_bufs}
+        gathers, scatters = self._gather_calls()
         if len(devices) > 1:  # one call per engine, each on its device
-            for e, call, fi in calls:
+            for k, (e, call, fi) in enumerate(calls):
                 with _on_device(e.device):
-                    _core._call_each([call] + _advance_calls(advance.get(id(e)), fi))
+                    _core._call_each((gathers if k == 0 else []) + [call] + _advance_calls(advance.get(id(e)), fi)
+                                     + (scatters if k == len(calls) - 1 else []))
         elif calls:
-            ops = [c for _, c, _ in calls]
+            ops = gathers + [c for _, c, _ in calls]
             for e, _, fi in calls:
                 ops += _advance_calls(advance.get(id(e)), fi)
             with _on_device(calls[0][0].device):
-                _core._call_each(ops)
+                _core._call_each(ops + scatters)
         return keep
+
+    def _gather_calls(self):
+        """(before, after) a launch: the dense copies of parameters with gaps filled from them, and
+        the parameters written back from their stepped copies."""
+        return ([(dense.copy_, (p,)) for p, dense in self._gathers],
+                [(p.copy_, (dense,)) for p, dense in self._gathers])
 
     def _fresh(self):
         """True when the tables are still right for this step (pushing changed hyperparameters)."""
@@ -192,6 +202,9 @@ class TableBinding:
         dtensors = [p for p in params if _dtensor.is_dtensor(p)]
         grads = self._watch_gradients(params, dtensors)
         _check_aliasing(type(self).__name__, groups)
+        # Parameters with gaps or overlaps in their memory (x[..., 0], a transposed slice): the kernel
+        # steps a dense copy, gathered before and scattered after each launch (_launch)
+        self._gathers, self._dense_of = [], {}
         buckets = {}
         w = 0
         first = []  # per group: the watch index of its first parameter
@@ -216,10 +229,10 @@ class TableBinding:
                     if lp.is_complex() != grad.is_complex():
                         raise OptfuseError(f"{type(self).__name__}: parameter {w - first[tg]} of group {tg} is "
                                            f"{p.dtype} but its gradient is {grad.dtype}")
-                    if not _is_dense(lp):
-                        raise OptfuseError(f"{type(self).__name__}: parameter of shape {tuple(p.shape)} (group {tg}) "
-                                           f"overlaps itself or has gaps (strides {p.stride()}); optfuse needs "
-                                           "dense parameters")
+                    if not _is_dense(lp):  # (gaps or overlaps: stepped through a dense copy, _launch)
+                        dense = torch.empty(lp.shape, dtype=lp.dtype, device=lp.device)
+                        self._gathers.append((lp.detach(), dense))  # (outside autograd, as the kernel)
+                        self._dense_of[id(p)] = dense
                     storage = _chain_precision(type(self).__name__, self._precisions[tg], p, tg)
                     buckets.setdefault((self._keys[tg], p.device, storage), []).append((p, grad, tg, w, lp))
                 w += 1
@@ -248,8 +261,9 @@ class TableBinding:
                     states = self._states_for(p, st, engine, prec)
                     # Stochastic rounding: the parameter's stores unless a master copy holds its value.
                     stochastic = (prec.stochastic_rounding and storage[0] == "none", prec.stochastic_rounding)
-                    entries.append((p, self._grad_for(lp, grad), states, tg, step, w, stochastic,
-                                    self._rng_stream(p, w), self._ustates_of(p, st, engine)))
+                    dense = self._dense_of.get(id(p))
+                    entries.append((p, self._grad_for(lp if dense is None else dense, grad), states, tg, step, w,
+                                    stochastic, self._rng_stream(p, w), self._ustates_of(p, st, engine), dense))
             finally:  # (also when a state fails: no state is left unzeroed in self.state)
                 zero, self._zero_later = self._zero_later, None
                 if zero:  # (a DTensor state: its local shard)
@@ -286,8 +300,9 @@ class TableBinding:
         change between rebuilds), or None where a step must make them (a CUDA stream is read per step)."""
         if any(e.device.type != "cpu" for e in self._engines.values()):
             return None
+        gathers, scatters = self._gather_calls()
         calls = [(e.core._step_raw, (0, 0, 0)) for e in self._engines.values() if e.params]
-        return calls + [c for buf, _ in self._step_bufs for c in _advance_calls(buf, None)]
+        return gathers + calls + [c for buf, _ in self._step_bufs for c in _advance_calls(buf, None)] + scatters
 
     def _bind_step_tensors(self):
         """Makes state["step"] of every parameter of a counted engine a 0-dim view of one tensor per
@@ -418,7 +433,7 @@ class TableBinding:
             key = name if key is None else key
 
             def new():  # in the parameter's layout (or the state's own shape) and the role's dtype
-                if shape is None:
+                if shape is None:  # (a parameter with gaps: torch's preserve_format gives contiguous states)
                     return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 return torch.empty(shape, dtype=dtype, device=p.device)
 
@@ -440,8 +455,9 @@ class TableBinding:
             else:
                 if _dtensor.is_dtensor(p) and not _dtensor.is_dtensor(t):
                     t = _dtensor.as_state(t, p)  # a plain tensor from a state dict saved without FSDP2
-            wrong_layout = (t.shape != p.shape or t.stride() != p.stride()
-                            or _dtensor.local(t).stride() != _dtensor.local(p).stride()) if shape is None else (
+            like = self._dense_of.get(id(p), p)  # (the layout the kernel steps: p's, or its dense copy's)
+            wrong_layout = (t.shape != p.shape or t.stride() != like.stride()
+                            or _dtensor.local(t).stride() != _dtensor.local(like).stride()) if shape is None else (
                 tuple(t.shape) != tuple(shape) or not t.is_contiguous())
             if not fresh and shape is None and t.shape != p.shape:
                 tg, i = self._position_of(p)
@@ -526,8 +542,8 @@ def _check_aliasing(name, groups):
                                    f"{seen[id(p)][0]}; list each parameter once")
             seen[id(p)] = (tg, i)
             lp = _dtensor.local(p)
-            if lp.numel() == 0 or lp.device.type == "meta":
-                continue
+            if lp.numel() == 0 or lp.device.type == "meta" or not _is_dense(lp):
+                continue  # (views with gaps may interleave without sharing an element: stepped via copies)
             span = sum((n - 1) * s for n, s in zip(lp.shape, lp.stride()) if n > 1) + 1
             start = lp.data_ptr()
             spans.append((lp.device, start, start + span * lp.element_size(), tg, i))

@@ -112,7 +112,8 @@ class Engine:
         already checked; stochastic: (parameter, states) whether their float16/bfloat16 stores round
         stochastically, with the random stream rng: a key, or (key, offset of the tensor's first element
         in the tensor the key names; a shard's offset). An optional 9th field: the parameter's uniform-state
-        values (a tuple in uniform_state_specs order; their init values when absent)."""
+        values (a tuple in uniform_state_specs order; their init values when absent). An optional 10th: the
+        tensor the kernel steps in the parameter's place (a dense copy of a parameter with gaps)."""
         keys = {}
         inits = tuple(init for _, init in self.uniform_state_specs)
         ustates_of = lambda e: tuple(e[8]) if len(e) > 8 and e[8] is not None else inits  # noqa: E731
@@ -156,6 +157,8 @@ class Engine:
             self.states.extend(states)
             # A DTensor (FSDP2) parameter, gradient or state: the kernel steps its local shard; a
             # complex one, its real view.
+            if len(e) > 9 and e[9] is not None:
+                p = e[9]  # a parameter with gaps: the dense copy the front end gathers and scatters
             p, g, states = real_view(local(p)), real_view(local(g)), [real_view(local(s)) for s in states]
             ptrs_p.append(p.data_ptr())
             ptrs_g.append(g.data_ptr())

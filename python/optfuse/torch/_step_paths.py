@@ -155,7 +155,7 @@ class StepPaths:
         self._foreign = False
 
     def _make_graph_layout(self, groups):
-        if not self._graph_step or self._copies:
+        if not self._graph_step or self._copies or self._gathers:
             return None
         params, states, slices = [], [], []
         for e in self._engines.values():
