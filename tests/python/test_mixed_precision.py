@@ -214,16 +214,21 @@ def test_options_are_group_keys_and_float32_groups_mix():
 
 
 def test_bad_combinations_are_clear_errors():
+    # options that cannot apply to the parameters given: refused in the constructor
     fp32 = make_params("cpu", torch.float32)
-    o = oft.AdamW(fp32, master_weights=True)
-    set_grads(fp32, 0)
     with pytest.raises(OptfuseError, match="master_weights is for float16/bfloat16 parameters.*param group with "
                                            "master_weights=False"):
-        o.step()
+        oft.AdamW(fp32, master_weights=True)
     f16 = make_params("cpu", torch.float16)
-    o = oft.AdamW(f16, master_weights="remainders")
-    set_grads(f16, 0)
     with pytest.raises(OptfuseError, match="rebuilds a float32 master from a bfloat16"):
+        oft.AdamW(f16, master_weights="remainders")
+    # ... and at the step when a parameter's dtype changed since (p.data = ...)
+    bf16 = make_params("cpu", torch.bfloat16)
+    o = oft.AdamW(bf16, master_weights=True)
+    for p in bf16:
+        p.data = p.data.float()
+    set_grads(bf16, 0)
+    with pytest.raises(OptfuseError, match="master_weights is for float16/bfloat16 parameters"):
         o.step()
     bf = make_params("cpu", torch.bfloat16)
     with pytest.raises(OptfuseError, match="kahan=True compensates .* choose one"):

@@ -46,7 +46,7 @@ from ._binding import TableBinding, _with_unscale  # noqa: F401
 from ._engine import dtype_code, real_view
 from ._group_values import (DeviceValue, _host_number, _host_view, _is_dense, _plain, _scalar_dtype,  # noqa: F401
                             _sig_key)
-from ._precision import (_PRECISION, _check_precision_options, _taking_precision_options)
+from ._precision import _chain_precision, _check_precision_options, _precision_of, _taking_precision_options
 from ._step_paths import StepPaths, _dynamo_opaque  # noqa: F401
 
 OptfuseError = _core.OptfuseError
@@ -167,6 +167,10 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
             for p in group["params"]:
                 self._check_param(p)
             _check_precision_options(type(self).__name__, group)
+            prec = _precision_of(group)
+            for p in group["params"]:  # (master_weights on float32 parameters: refused now, not at the first step)
+                if p.device.type != "meta":
+                    _chain_precision(type(self).__name__, prec, real_view(p), len(self.param_groups) - 1)
             _host_view(group)  # CUDA-tensor hyperparameters read now, not when the first step is queued
             if group.get("differentiable", False) and self._torch_class() is None:
                 raise OptfuseError(f"{type(self).__name__}: differentiable=True steps through torch's own class (autograd "

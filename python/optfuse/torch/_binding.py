@@ -222,6 +222,10 @@ class TableBinding:
                                            f"(parameter of shape {tuple(p.shape)} in group {tg})")
                     by_torch.setdefault(tg, []).append(p)
                 elif grad is not None and not differentiable:
+                    if p.device.type == "meta":  # (torch's fused optimizers' words; to_empty() then works)
+                        raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of "
+                                           f"supported devices: ['cpu', 'cuda'] but {p.dtype} and meta (parameter "
+                                           f"{w - first[tg]} of group {tg} has no memory: model.to_empty(device=...))")
                     lp = _dtensor.local(p)  # the tensor the kernel steps: p, or a DTensor's local shard
                     if lp is not p:
                         _dtensor.check_grad(type(self).__name__, p, tg)

@@ -20,7 +20,9 @@ Hyperparameters given as tensors (torch's capturable style) are *bound*: the ker
 float32/float64 tensor on the engine's device at every step, so `lr.fill_(x)` (a scheduler) takes
 effect without a host round trip, also between replays of a captured CUDA graph.
 """
+import logging
 import math
+import time
 
 import torch
 
@@ -39,6 +41,7 @@ _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_log = logging.getLogger("optfuse")
 
 
 def real_view(t):
@@ -80,8 +83,13 @@ class Engine:
         self.countable = skips_only_on_found_inf
         self.captured = False
         self.backend = "cuda" if device.type == "cuda" else "cpu"
+        start = time.perf_counter()
         with _on_device(device):
             self.core = _core.Optimizer(chain, self.backend, 1, master_weights=master_weights, kahan=kahan)
+        # one line per kernel built: how long, and whether the compiler ran or the cache answered
+        # (logging.getLogger("optfuse"), INFO; the first step of a new chain takes this long)
+        _log.info("%s kernel for %s: %s; built in %.3f s", self.backend, _core.chain_text(chain),
+                  self.core.backend_status(), time.perf_counter() - start)
         self.state_names = list(self.core.state_names)
         self.state_inits = [init for _, _, init in self.core.state_specs]
         # per state: (starts as a copy of the parameter, its fixed torch dtype or None)

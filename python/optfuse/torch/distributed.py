@@ -68,74 +68,38 @@ sharded (DCP) checkpoints hold each owned state whole, written by its owner. Ano
 row or column values (a matrix plan) is refused.
 """
 import contextlib
-import io
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from .. import _core
-from ._base import FusedOptimizer, OptfuseError, _step_with_hooks, hooks_active
-from ._fused import fuse
-from ._partials import gather_exchange
+from ._base import OptfuseError, _step_with_hooks, hooks_active
 from ._zero_buckets import DEFAULT_BUCKET_MB, GradientReducer, plan_buckets, shard_ranges  # noqa: F401 (shard_ranges: API)
-
-
-def _whole_parts(optimizer):
-    """An optimizer that ZeRO shards by whole parameters, as (its Muon or None, its FusedOptimizers):
-    Muon (Muon, []), MuonWithAuxAdam (its Muon, [its AdamW]), Adafactor (None, [itself])."""
-    from ._muon import Muon, MuonWithAuxAdam
-    if isinstance(optimizer, Muon):
-        return optimizer, []
-    if isinstance(optimizer, MuonWithAuxAdam):
-        return optimizer._muon, [optimizer._adam] if optimizer._adam is not None else []
-    return None, [optimizer]
-
-
-def _to_bytes(obj):
-    """A Python object as a uint8 tensor (DCP saves one copy of a tensor every rank holds alike, and
-    its metadata gives the size to load into, where a Python object would be split into its leaves)."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-
-
-def _from_bytes(t):
-    # weights_only=False: the param groups hold Python values (tuples, dtypes, tensors) from the
-    # checkpoint being loaded, which DCP itself unpickles the same way.
-    return torch.load(io.BytesIO(t.numpy().tobytes()), weights_only=False)
+from ._zero_checkpoint import consolidated_state_dict, load_consolidated, load_sharded
+from ._zero_strategies import FlatPieces, WholeParameters, strategy_for  # noqa: F401
 
 
 class ZeRO(torch.optim.Optimizer):
     """ZeRO stage 1 (gradients from DDP) or stage 2 (ZeRO reduce-scatters the local gradients) around
     an optfuse.torch optimizer (a torch.optim one is fused with fuse()): the torch.optim.Optimizer
     API (param_groups are the wrapped optimizer's, so schedulers work), GradScaler, state dicts
-    consolidated in the wrapped optimizer's format on every rank, sharded DCP checkpoints."""
-
-    _step_supports_amp_scaling = True
+    consolidated in the wrapped optimizer's format on every rank, sharded DCP checkpoints.
+    How a rank's share is stepped is its strategy (`_strategy`, _zero_strategies.py): FlatPieces or
+    WholeParameters."""
 
     def __init__(self, optimizer, process_group=None, stage=1, bucket_cap_mb=DEFAULT_BUCKET_MB, overlap=True):
         if stage not in (1, 2):
             raise OptfuseError(f"ZeRO: stage={stage!r} is not built (stage=1: gradients all-reduced by DDP; stage=2: "
                                "ZeRO reduce-scatters the local gradients itself)")
-        from ._adafactor import Adafactor
-        from ._muon import Muon, MuonWithAuxAdam
-        # Muon orthogonalises whole matrices, Adafactor factors them (row and column means): each rank
-        # then owns whole parameters (see _plan_shards)
-        self._whole = isinstance(optimizer, (Muon, MuonWithAuxAdam, Adafactor))
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
-        if not self._whole and not isinstance(optimizer, FusedOptimizer):
-            optimizer = fuse(optimizer)
-        if self._whole and stage == 1:
-            # Whole parameters take GradScaler's standard path (it unscales the gradients, then calls
-            # step()), as torch.optim.Muon does: every rank has the same (DDP-averaged) gradients, so
-            # the same verdict. (Stage 2 takes grad_scale / found_inf: the local gradients differ, and the
-            # ranks must agree on skipping: _step_whole.)
-            self._step_supports_amp_scaling = False
+        self.stage = stage
+        self._strategy = strategy_for(self, optimizer)
+        optimizer = self._strategy.prepare(optimizer)
         self.optimizer = optimizer
         self.process_group = process_group
-        self.stage = stage
         if not bucket_cap_mb > 0:
             raise OptfuseError(f"ZeRO: bucket_cap_mb={bucket_cap_mb!r} must be positive")
         self.bucket_cap_mb = bucket_cap_mb
@@ -145,7 +109,19 @@ class ZeRO(torch.optim.Optimizer):
         super().__init__(optimizer.param_groups, optimizer.defaults)  # the same group dicts
         self._check_same_parameters_on_every_rank()
         self._plan_shards()
-        self._take_state_from(optimizer)
+        self._strategy.take_state(optimizer)
+
+    @property
+    def _step_supports_amp_scaling(self):
+        """True only when torch.amp.GradScaler.step asks (it then hands step() grad_scale and
+        found_inf, which the kernel or the strategy applies) and the strategy takes them (not stage 1
+        of whole parameters: GradScaler unscales those itself, as for torch.optim.Muon). Anyone else
+        asking (Lightning refuses gradient clipping under bf16-mixed for optimizers that unscale
+        internally) is told False, as FusedOptimizer tells them."""
+        if not self._strategy.takes_grad_scale:
+            return False
+        caller = sys._getframe(1)
+        return caller.f_code.co_name == "step" and isinstance(caller.f_locals.get("self"), torch.amp.GradScaler)
 
     # --- setup
     def _check_same_parameters_on_every_rank(self):
@@ -166,7 +142,7 @@ class ZeRO(torch.optim.Optimizer):
                                "parameters in the same groups and order")
 
     def _plan_shards(self):
-        params = [p for g in self.param_groups for p in g["params"]]
+        params = self._params()
         from ._dtensor import is_dtensor
         for p in params:
             if is_dtensor(p):
@@ -184,12 +160,12 @@ class ZeRO(torch.optim.Optimizer):
         # the same order, and all of them take part in every exchange. Stage 1 reduces no gradients:
         # one bucket per dtype.
         cap = self.bucket_cap_mb * 2 ** 20 if self.stage == 2 else None
-        # Muon: cuts at tensor starts only (a "chunk" longer than the model), so every matrix is whole
-        # on the rank that owns it
-        cut = self._chunk if not self._whole else sum(p.numel() for p in params) + 1
-        self._buckets, self._pieces = plan_buckets(params, self.world, cut, cap)
+        self._buckets, self._pieces = plan_buckets(params, self.world, self._strategy.cut(), cap)
         self._mine = self._pieces[self.rank]
         self._piece_of_view = {id(pc.view): pc for pc in self._mine}
+        # What each parameter's storage was when the pieces were cut (step() checks it: _check_storage)
+        self._storage = [p.data_ptr() for p in params]
+        self._shapes = [(tuple(p.shape), p.dtype, p.device) for p in params]
         # Per dtype: every rank's pieces of that dtype in flat order, and the length of the longest
         # rank's part (the row length of the padded [world, n] all-gather buffer).
         self._layout = {}
@@ -203,116 +179,68 @@ class ZeRO(torch.optim.Optimizer):
         self._gather = {}  # dtype -> the all-gather buffer and its views (_gather_buffer)
         self._all_gather_into = None  # whether the backend has all_gather_into_tensor: found out on first use
         self._reducer = None
-        if self.stage == 2:
-            self._reduced = False
-            self._clip_norms = []  # clip_grad_norm_'s max_norm since the last step
+        self._reduced = False    # stage 2: the shard holds this step's reduction already
+        self._clip_norms = []    # stage 2: clip_grad_norm_'s max_norm since the last step
         if self.stage == 2 and self.world > 1:
             # This rank's averaged gradients, bucket by bucket as backward produces them (hooks). (One
             # rank has nothing to reduce: its gradients are read where they are, as in stage 1.)
             self._reducer = GradientReducer(params, self._buckets, self.rank, self.world, self.process_group,
                                             self._device)
             self._reducer.overlap = self.overlap
-        mine = {id(pc.param): pc for pc in self._mine}
-        inner_groups = []
-        for g in self.param_groups:
-            options = {k: v for k, v in g.items() if k != "params"}
-            if self._whole:  # the matrices this rank owns, as they are
-                inner_groups.append(dict(options, params=[p for p in g["params"] if mine[id(p)].end > 0]))
-            else:
-                inner_groups.append(dict(options, params=[mine[id(p)].view for p in g["params"]]))
-        if self._whole:
-            self._inner = type(self.optimizer)(inner_groups)
-            return
-        cls = type(self.optimizer)
-        self._inner = cls.__new__(cls)
-        # The class's own settings (a Fused optimizer's chain and names, ...); the base __init__ then
-        # makes fresh groups, state and engines.
-        self._inner.__dict__.update(self.optimizer.__dict__)
-        FusedOptimizer.__init__(self._inner, inner_groups, dict(self.optimizer.defaults))
-        self._inner._graph_step = False  # its parameters are views re-pointed each step: the eager step
-        # Stochastic rounding draws for a piece what the unsharded optimizer draws for those elements.
-        self._inner._rng_streams = {id(pc.view): (self._param_index[id(pc.param)] + 1, pc.begin) for pc in self._mine}
-        self._inner._on_engine_built = self._set_exchange
-        if self._reducer is None:
-            self._inner._grad_sources = {id(pc.view): (pc.param, pc.begin) for pc in self._mine}
+        self._inner = self._strategy.make_inner([{k: v for k, v in g.items() if k != "params"}
+                                                 for g in self.param_groups])
 
-    def _set_exchange(self, engine):
-        """After the inner optimizer built an engine over its pieces: if its chain has reductions, make
-        its steps all-gather the per-chunk partials of every rank into the global chunk order. The
-        global chunks are the unsharded engine's: every chunk of every parameter in this engine's
-        table (every rank's engine lists the same parameters, in the same order)."""
-        if engine.core.plan.matrix:  # (its pieces are flat: it would step them as vectors, silently)
-            raise OptfuseError(f"ZeRO: {type(self.optimizer).__name__}'s rule chain has row or column values (a matrix "
-                               "plan), whose shards would cut matrices; ZeRO shards optfuse.torch.Adafactor, Muon and "
-                               "MuonWithAuxAdam by whole parameters, other such chains are not built")
-        if not engine.core.plan.reduction_scopes or self.world == 1:
-            return  # (one rank: its partials are all of them, and the step stays capturable)
-        chunk = self._chunk
-        if engine.core.chunk_elements != chunk:
-            raise OptfuseError(f"ZeRO: the {engine.backend} backend cuts {engine.core.chunk_elements}-element chunks, "
-                               f"the shards were cut at {chunk}")
-        pieces = [self._piece_of_view[id(v)] for v in engine.params]
-        firsts, counts, global_chunks = [], [], 0
-        first_of = {}
-        for pc in pieces:
-            n = -(-pc.param.numel() // chunk)
-            first_of[id(pc.param)] = global_chunks
-            firsts.append(global_chunks)
-            counts.append(n)
-            global_chunks += n
-        # Where each global chunk comes from: rank r's local partials list its pieces of these
-        # parameters in the same (table) order, and a piece's chunks are consecutive chunks of its
-        # parameter (cuts fall on chunk boundaries). source[j]: column of the gathered [world x width].
-        runs = []  # (rank, first local chunk, first global chunk, count)
-        for r, rank_pieces in enumerate(self._pieces):
-            at = 0
-            for pc in rank_pieces:
-                if id(pc.param) in first_of and pc.end > pc.begin:
-                    n = -(-(pc.end - pc.begin) // chunk)
-                    runs.append((r, at, first_of[id(pc.param)] + pc.begin // chunk, n))
-                    at += n
-        width = max([1] + [sum(n for rr, _, _, n in runs if rr == r) for r in range(self.world)])
-        source = [0] * global_chunks
-        for r, at, first, n in runs:
-            source[first:first + n] = range(r * width + at, r * width + at + n)
-        mine = sum(n for r, _, _, n in runs if r == self.rank)
-        engine.core._set_exchange(global_chunks, firsts, counts,
-                                  gather_exchange(source, width, mine, self.world, self.process_group))
-
-    def _take_state_from(self, optimizer):
-        """Slices the full per-parameter state of `optimizer` into this rank's pieces, then drops it."""
-        if self._whole:  # the states of the parameters this rank owns, as they are
-            muon, fused = _whole_parts(optimizer)
-            for f in fused:
-                if f._engines:
-                    f._sync_steps(write_state=True)
-            for pc in self._mine:
-                if pc.end > 0 and optimizer.state.get(pc.param):
-                    self._inner.state[pc.param] = {k: v.clone() if torch.is_tensor(v) else v
-                                                   for k, v in optimizer.state[pc.param].items()}
-            optimizer.state.clear()
-            # retired: it holds no state now, and no tables that could write stale counts into a state
-            if muon is not None:
-                muon._init_private()
-            for f in fused:
-                f._engines, f._steps, f._of_dirty = {}, {}, True
-            self._rebuild_whole()
+    def _check_storage(self):
+        """A parameter whose storage was replaced since the pieces were cut (`p.data = p.data.clone()`,
+        as Module._apply, weight loading and pruning do; one data_ptr() per parameter and step): the
+        pieces, views of the old storage (which they keep alive, so no new storage can have its
+        address), are cut again on the new one, states unchanged, so the step writes the parameter
+        torch sees, as torch.optim would. A replacement of another shape, dtype or device, or one
+        that is not contiguous, is refused before anything changes (the shards were planned for the
+        old one)."""
+        params = self._params()
+        moved = [i for i, (p, ptr) in enumerate(zip(params, self._storage)) if p.data_ptr() != ptr]
+        if not moved:
             return
-        if optimizer._engines:  # it has stepped: its step counts may be newer than its state's
-            optimizer._sync_steps(write_state=True)
-        for pc in self._mine:
-            full = optimizer.state.get(pc.param)
-            if not full:
-                continue
-            st = self._inner.state[pc.view]
-            for k, v in full.items():
-                if torch.is_tensor(v) and v.shape == pc.param.shape:
-                    st[k] = v.detach().reshape(-1)[pc.begin:pc.end].clone()
+        for i in moved:
+            p = params[i]
+            shape, dtype, device = self._shapes[i]
+            if (tuple(p.shape), p.dtype, p.device) != (shape, dtype, device) or not p.is_contiguous():
+                tg, k = self._position(i)
+                raise OptfuseError(
+                    f"ZeRO: parameter {k} of group {tg} was replaced by a tensor of shape {tuple(p.shape)}, {p.dtype} "
+                    f"on {p.device}, strides {p.stride()} (p.data = ...) after ZeRO cut it into shards as shape "
+                    f"{shape}, {dtype} on {device}, contiguous; ZeRO re-cuts a parameter whose storage moved only "
+                    "when it keeps its shape, dtype, device and contiguity: build a new ZeRO after such a change "
+                    "(zero.state_dict() first, load_state_dict() into the new one)")
+        mine = []
+        for i in moved:
+            view = params[i].detach().view(-1)
+            for r, pieces in enumerate(self._pieces):
+                pc = pieces[i]
+                if r == self.rank:
+                    mine.append((pc, view[pc.begin:pc.end]))
                 else:
-                    st[k] = v.clone() if torch.is_tensor(v) else v
-        optimizer.state.clear()
-        optimizer._engines, optimizer._steps, optimizer._of_dirty = {}, {}, True  # retired: it holds no state now
-        self._inner._of_dirty = True
+                    pc.view = view[pc.begin:pc.end]
+            self._storage[i] = params[i].data_ptr()
+        self._strategy.repoint([pc for pc, _ in mine], [v for _, v in mine])
+        for pc, new in mine:
+            del self._piece_of_view[id(pc.view)]
+            self._piece_of_view[id(new)] = pc
+            if self._reducer is not None:
+                self._reducer.views[id(new)] = self._reducer.views.pop(id(pc.view))
+            pc.view = new
+        if self._reducer is not None:
+            self._reducer.present = None  # the new views' .grad set at the next reduction
+        self._gather = {}  # (its views were of the old storage)
+
+    def _position(self, i):
+        """(group index, index within the group) of parameter i (flat order), for messages."""
+        for tg, g in enumerate(self.param_groups):
+            if i < len(g["params"]):
+                return tg, i
+            i -= len(g["params"])
+        return -1, -1
 
     # --- torch.optim.Optimizer API
     def step(self, closure=None, *, grad_scale=None, found_inf=None):
@@ -328,6 +256,7 @@ class ZeRO(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_storage()
         for outer, inner in zip(self.param_groups, self._inner.param_groups):  # schedulers write the outer ones
             for k, v in outer.items():
                 if k != "params":
@@ -348,51 +277,11 @@ class ZeRO(torch.optim.Optimizer):
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
         # stage 1 (and stage 2 on one rank): the inner optimizer reads each piece's gradient from its
         # parameter's .grad, at the piece's offset (_grad_sources): nothing to do per piece here
-        if self._whole:
-            return self._step_whole(loss, grad_scale, found_inf)
-        if self._clip_coef is not None:  # clip_grad_norm_ since the last step: g * coef = g / (1 / coef)
-            scale = torch.as_tensor(1.0 if grad_scale is None else grad_scale, dtype=torch.float32, device=self._device)
-            grad_scale = (scale / self._clip_coef).reshape(())
-            self._clip_coef = None
-        self._inner.step(grad_scale=grad_scale, found_inf=found_inf)
-        self._all_gather_params()
+        if self._strategy.step(grad_scale, found_inf):  # (False: skipped on every rank, nothing to gather)
+            self._all_gather_params()
         if self._reducer is not None:
             # The full local gradients are spent: free them (this rank's averaged shard stays in
             # grad_shards() until the next step; one rank has no reducer: its gradients are that shard).
-            _core._clear_grads(self._params())
-        return loss
-
-    def _step_whole(self, loss, grad_scale, found_inf):
-        """Whole parameters (Muon, Adafactor): the owned ones stepped by the wrapped class, then every
-        rank's parameters gathered. Stage 2: each owned matrix's gradient is its averaged shard (the reducer's view, in the
-        matrix's shape); GradScaler passes grad_scale / found_inf (found_inf agreed by every rank in
-        _step_impl): an inf skips the step on every rank, else the gradients are unscaled first."""
-        if self.stage == 1 and (grad_scale is not None or found_inf is not None):
-            raise OptfuseError(f"ZeRO of {type(self.optimizer).__name__}: grad_scale / found_inf are not taken (as "
-                               "torch.optim.Muon: GradScaler unscales the gradients itself and skips step() on an inf)")
-        owned = [pc for pc in self._mine if pc.end > 0]
-        if self._reducer is not None:
-            for pc in owned:  # (the piece's .grad is None where no rank had a gradient)
-                g = pc.view.grad
-                pc.param.grad = None if g is None else g.view(pc.param.shape)
-        if found_inf is not None and float(found_inf) != 0.0:
-            self._clip_coef = None
-            if self._reducer is not None:
-                _core._clear_grads(self._params())
-            return loss  # skipped on every rank (found_inf is the same everywhere): nothing to gather
-        grads = [pc.param.grad for pc in owned if pc.param.grad is not None]
-        if grad_scale is not None and grads:  # unscaled as GradScaler.unscale_ does: g * float(1 / double(scale))
-            inv = torch.as_tensor(grad_scale, device=self._device).double().reciprocal().float()
-            torch._foreach_mul_(grads, inv.to(grads[0].dtype))
-        if self._clip_coef is not None:  # clip_grad_norm_ since the last step: the owned gradients scaled
-            if grads:
-                torch._foreach_mul_(grads, self._clip_coef.to(grads[0].dtype))
-            self._clip_coef = None
-        self._inner.step()
-        self._all_gather_params()
-        if self._reducer is not None:
-            # The full local gradients are spent (the owned ones are views of the averaged shard,
-            # which stays in grad_shards() until the next step): free them, as the other optimizers'.
             _core._clear_grads(self._params())
         return loss
 
@@ -582,54 +471,16 @@ class ZeRO(torch.optim.Optimizer):
             cached = self._gather[dtype] = (gather, mine, theirs)
         return cached
 
+    # --- checkpoints (_zero_checkpoint.py)
     def state_dict(self):
         """The unsharded state dict in the wrapped optimizer's (torch's) format, on every rank. The
         pieces travel as CPU tensors through all_gather_object (simple, not fast: for checkpoints)."""
-        for f in _whole_parts(self._inner)[1] if self._whole else [self._inner]:
-            f._sync_steps(write_state=True)  # step counts into the pieces' state
-        # Group-level state the class writes into its groups when saving (timm's Lamb keeps its step
-        # count in the group): every rank's pieces have the same counts, so the inner groups' value
-        # is the unsharded one.
-        self._inner.state_dict()
-        for outer, inner in zip(self.param_groups, self._inner.param_groups):
-            for k, v in inner.items():
-                if k != "params" and (k == "step" or k not in outer):
-                    outer[k] = v
-        local = {}
-        for pc in self._mine:
-            st = self._inner.state.get(pc.param if self._whole else pc.view)
-            if st and (pc.end > pc.begin or not self._whole):
-                local[(self._param_index[id(pc.param)], pc.begin, pc.end)] = {
-                    k: (v.detach().cpu(), str(v.device)) if torch.is_tensor(v) else (v, None) for k, v in st.items()}
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, local, group=self.process_group)
-        params = self._params()
-        for part in gathered:
-            for (i, a, b), st in sorted(part.items()):
-                p = params[i]
-                full = self.optimizer.state[p]
-                for k, (v, device) in st.items():
-                    if device is not None and v.dim() == 1 and v.numel() == b - a:  # per element: this piece
-                        if k not in full:
-                            full[k] = torch.zeros(p.shape, dtype=v.dtype, device=p.device)
-                        full[k].view(-1)[a:b] = v
-                    elif k not in full:  # per parameter (step, ASGD's eta and mu): every piece has it
-                        full[k] = v.to(device) if device is not None else v
-        try:
-            return self.optimizer.state_dict()
-        finally:
-            self.optimizer.state.clear()  # the full state lives only in the returned dict
+        return consolidated_state_dict(self)
 
     def load_state_dict(self, state_dict):
         """Loads an unsharded state dict (any world size saved it, or an unsharded optimizer)."""
-        self.optimizer.load_state_dict(state_dict)  # torch's load makes new group dicts: take their values
-        for mine, loaded in zip(self.param_groups, self.optimizer.param_groups):
-            mine.update({k: v for k, v in loaded.items() if k != "params"})
-        self.optimizer.param_groups = self.param_groups  # one set of group dicts again (schedulers hold them)
-        self._inner.state.clear()
-        self._take_state_from(self.optimizer)
+        load_consolidated(self, state_dict)
 
-    # --- sharded checkpoints (torch.distributed.checkpoint)
     def sharded_state_dict(self, like=None):
         """This rank's optimizer state for ``torch.distributed.checkpoint`` (DCP), without gathering:
         a flat dict with
@@ -656,155 +507,14 @@ class ZeRO(torch.optim.Optimizer):
         key that one rank holds from that rank); loading, each rank asks for the states of the
         parameters it owns now, so any world size reads any other's checkpoint.
         """
-        if self._whole:
-            return self._whole_sharded_state_dict(like)
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-        from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-
-        params = self._params()
-        device = self._device
-
-        def sharded(i, local, dtype):
-            p = params[i]
-            placement = lambda r: f"rank:{r}/{device}"
-            metas = [ShardMetadata(shard_offsets=[pieces[i].begin], shard_sizes=[pieces[i].end - pieces[i].begin],
-                                   placement=placement(r))
-                     for r, pieces in enumerate(self._pieces) if pieces[i].end > pieces[i].begin]
-            pc = self._mine[i]
-            shards = [Shard(local, metas[[m.placement.rank() for m in metas].index(self.rank)])] \
-                if pc.end > pc.begin else []
-            meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([p.numel()]),
-                                         tensor_properties=TensorProperties(dtype=dtype))
-            return ShardedTensor._init_from_local_shards_and_global_metadata(shards, meta,
-                                                                            process_group=self.process_group)
-
-        out = {}
-        if like is None:
-            self._inner._sync_steps(write_state=True)  # step counts into the pieces' state
-            self._inner.state_dict()  # group-level state (timm's group step) into the inner groups
-            for i, pc in enumerate(self._mine):
-                st = self._inner.state.get(pc.view)
-                for k, v in (st or {}).items():
-                    if pc.param.numel() == 0:
-                        continue
-                    if self._per_element(pc, v):
-                        out[f"state.{i}.{k}"] = sharded(i, v.view(-1), v.dtype)
-                    else:
-                        out[f"state.{i}.{k}"] = v
-            return dict(out, **self._checkpoint_header(params))
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-        for key, md in like.state_dict_metadata.items():
-            if not isinstance(md, TensorStorageMetadata):
-                out[key] = None  # a Python value: DCP puts the saved object here
-            elif key.startswith("state.") and list(md.size) == [params[self._state_index(key, params)].numel()]:
-                i = int(key.split(".")[1])
-                pc = self._mine[i]
-                out[key] = sharded(i, torch.empty(pc.end - pc.begin, dtype=md.properties.dtype, device=device),
-                                   md.properties.dtype)
-            else:  # per-parameter values, the pickled param_groups
-                out[key] = torch.empty(md.size, dtype=md.properties.dtype)
-        return out
-
-    def _whole_sharded_state_dict(self, like):
-        """sharded_state_dict of whole-parameter optimizers (Muon, MuonWithAuxAdam, Adafactor): the owned
-        parameters' states, whole."""
-        params = self._params()
-        owned = {i for i, pc in enumerate(self._mine) if pc.end > pc.begin}
-        out = {}
-        if like is None:
-            for f in _whole_parts(self._inner)[1]:
-                if f._engines:
-                    f._sync_steps(write_state=True)  # step counts into the state
-            for i in sorted(owned):
-                for k, v in (self._inner.state.get(params[i]) or {}).items():
-                    out[f"state.{i}.{k}"] = v
-            return dict(out, **self._checkpoint_header(params))
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-        for key, md in like.state_dict_metadata.items():
-            if key.startswith("state.") and self._state_index(key, params) not in owned:
-                continue  # another rank's matrix now
-            if not isinstance(md, TensorStorageMetadata):
-                out[key] = None  # a Python value: DCP puts the saved object here
-            else:  # a state tensor (on the parameters' device; a 0-dim step count on the CPU, as torch keeps it)
-                device = self._device if key.startswith("state.") and len(md.size) > 0 else "cpu"
-                out[key] = torch.empty(md.size, dtype=md.properties.dtype, device=device)
-        return out
-
-    def _checkpoint_header(self, params):
-        """The entries of a sharded checkpoint every rank writes alike: the groups' options (without
-        "params") and each parameter's size (checked at load)."""
-        return {"param_groups": _to_bytes([{k: v for k, v in g.items() if k != "params"}
-                                           for g in self._inner.param_groups]),
-                "param_numels": torch.tensor([p.numel() for p in params], dtype=torch.int64)}
-
-    @staticmethod
-    def _state_index(key, params):
-        """The parameter index i of a checkpoint's "state.<i>.<key>" entry, checked against `params`."""
-        i = int(key.split(".")[1])
-        if i >= len(params):
-            raise OptfuseError(f"ZeRO.sharded_state_dict: the checkpoint has state for parameter {i}, this optimizer "
-                               f"has {len(params)} parameters")
-        return i
-
-    @staticmethod
-    def _per_element(pc, v):
-        """A state tensor of the piece's elements (sliced by the shards), not a per-parameter value."""
-        return torch.is_tensor(v) and v.dim() == 1 and v.numel() == pc.end - pc.begin
+        return self._strategy.sharded_state_dict(like)
 
     def load_sharded_state_dict(self, state_dict):
         """Installs a dict that ``dcp.load`` filled (see sharded_state_dict(like=...)); saved by any
         world size, in this ZeRO's shards."""
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-        numels = [p.numel() for p in self._params()]
-        if state_dict["param_numels"].tolist() != numels:
-            raise OptfuseError(f"ZeRO.load_sharded_state_dict: the checkpoint's parameters have "
-                               f"{state_dict['param_numels'].tolist()} elements, this optimizer's {numels}")
-        groups = _from_bytes(state_dict["param_groups"])
-        if len(groups) != len(self.param_groups):
-            raise OptfuseError(f"ZeRO.load_sharded_state_dict: {len(groups)} param groups saved, this optimizer has "
-                               f"{len(self.param_groups)}")
-        for outer, inner, saved in zip(self.param_groups, self._inner.param_groups, groups):
-            for g in (outer, inner):
-                g.update({k: v for k, v in saved.items() if k != "params"})
-        inner = self._inner
-        inner.state.clear()
-        if self._whole:  # the owned parameters' states, whole; the step rebuilds its tables from them
-            params = self._params()
-            for key, v in state_dict.items():
-                if key.startswith("state."):
-                    _, i, k = key.split(".", 2)
-                    if self._mine[int(i)].end > self._mine[int(i)].begin:
-                        inner.state[params[int(i)]][k] = v.clone() if torch.is_tensor(v) else v
-            self._rebuild_whole()
-            return
-        for key, v in state_dict.items():
-            if not key.startswith("state."):
-                continue
-            _, i, k = key.split(".", 2)
-            pc = self._mine[int(i)]
-            st = inner.state[pc.view]
-            if isinstance(v, ShardedTensor):
-                local = v.local_shards()
-                st[k] = local[0].tensor.view(-1) if local else torch.empty(
-                    0, dtype=v.metadata().tensor_properties.dtype, device=self._device)
-            else:
-                st[k] = v.clone() if torch.is_tensor(v) else v
-        # As FusedOptimizer.load_state_dict: the engines' tables and step counts are re-read from the state.
-        for e in inner._engines.values():
-            e.params, e.groups, e.group_of, e.indices = [], [], [], []
-        inner._steps = {}
-        inner._of_dirty = True
+        load_sharded(self, state_dict)
 
     # --- helpers
-    def _rebuild_whole(self):
-        """Whole parameters: the inner optimizer's next step rebuilds its tables from its state."""
-        muon, fused = _whole_parts(self._inner)
-        if muon is not None:
-            muon._of_dirty = True
-        for f in fused:
-            f._engines, f._steps, f._of_dirty = {}, {}, True
-
     def _params(self):
         return [p for g in self.param_groups for p in g["params"]]
 
