@@ -535,3 +535,26 @@ def test_adafactor_vector_nan_stays_local():
     ours.step()
     ref.step()
     assert torch.equal(torch.isnan(p), torch.isnan(q)), (torch.isnan(p).sum(), torch.isnan(q).sum())
+
+
+# --- differentiable=True: torch's own step, autograd through it
+
+@pytest.mark.parametrize("cls,kw,tensor_lr", [("Adam", {}, True), ("SGD", {"momentum": 0.9}, True),
+                                               ("RMSprop", {}, False)])
+def test_differentiable_step_gives_torch_values_and_gradients(cls, kw, tensor_lr):
+    torch.manual_seed(0)
+    ends, grads = [], []
+    for lib in (torch.optim, oft):
+        start = torch.linspace(-1, 1, 5).requires_grad_()
+        lr = torch.tensor(0.01, requires_grad=True) if tensor_lr else 0.01
+        p = start.clone()  # (not a leaf: the step is part of the graph)
+        opt = getattr(lib, cls)([p], lr=lr, differentiable=True, **kw)
+        p.grad = torch.ones(5)
+        opt.step()
+        ends.append(p)
+        (p * p).sum().backward()
+        grads.append((start.grad, lr.grad if tensor_lr else None))
+    _close(ends[1], ends[0])
+    _close(grads[1][0], grads[0][0])
+    if tensor_lr:
+        _close(grads[1][1], grads[0][1])
