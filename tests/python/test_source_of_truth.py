@@ -484,14 +484,16 @@ def test_values_torch_refuses_are_refused():
         assert torch.equal(p.detach(), before)
 
 
-def test_float64_gradient_message_names_the_parameter():
+def test_a_gradient_of_another_kind_is_refused_by_name():
     p = torch.nn.Parameter(torch.randn(8))
     opt = oft.Adam([p])
     if hasattr(p, "grad_dtype"):
         p.grad_dtype = None  # (torch >= 2.10 refuses another dtype unless asked)
-    p.grad = torch.randn(8, dtype=torch.float64)
+    p.grad = torch.randn(8, dtype=torch.complex64)
+    before = p.detach().clone()
     with pytest.raises(OptfuseError, match="parameter 0 of group 0"):
         opt.step()
+    assert torch.equal(p.detach(), before)
 
 
 # --- GradScaler and Lightning's clipping check

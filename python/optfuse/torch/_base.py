@@ -256,6 +256,8 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
             for src, dst in self._copies:
                 dst.copy_(src)
             self._launch(grad_scale, found_inf, capturing)
+            if self._ustate_bufs:
+                self._refresh_uniform_states()
             if self._by_torch:
                 self._step_with_torch(grad_scale, found_inf)
         return loss

@@ -31,6 +31,8 @@ class TableBinding:
         self._steps = {}    # parameter -> step count, as the engines last reported it
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._step_views = WeakIdKeyDictionary()  # parameter -> the state["step"] tensor the step advances
+        self._ustate_views = WeakIdKeyDictionary()  # parameter -> {uniform state name: the view refreshed}
+        self._ustate_bufs = []  # (tensor the views view, engine, names) per CPU engine with uniform states
         self._step_bufs = []  # per engine whose steps are counted: (the tensor the views view, engine)
         self._plain_launch = None  # the calls of a plain CPU step (_make_plain_launch)
         self._gathers = []   # (parameter with gaps, the dense copy the kernel steps)
@@ -52,7 +54,9 @@ class TableBinding:
         self._steps = {}
         self._ustates = {}
         self._step_views = WeakIdKeyDictionary()
+        self._ustate_views = WeakIdKeyDictionary()
         self._step_bufs = []
+        self._ustate_bufs = []
         self._plain_launch = None
         self._of_dirty = True
 
@@ -153,8 +157,11 @@ class TableBinding:
                 st = self.state.get(p)
                 if not st:
                     continue
+                live = self._ustate_views.get(p, {})
                 for name, value in values.items():
                     old = st.get(name)
+                    if old is not None and old is live.get(name):
+                        continue  # (a view the step refreshes: already current)
                     like = old if torch.is_tensor(old) else None
                     st[name] = torch.tensor(value, dtype=like.dtype if like is not None else _scalar_dtype(),
                                             device=like.device if like is not None else None)
@@ -166,9 +173,12 @@ class TableBinding:
         if not engine.uniform_state_specs:
             return None
         known = self._ustates.get(p, {})
+        live = self._ustate_views.get(p, {})
         out = []
         for name, init in engine.uniform_state_specs:
-            if name in known:
+            if name in st and st[name] is not live.get(name):  # (loaded, or set by hand: torch's state wins)
+                value = float(_plain(st[name]))
+            elif name in known:
                 value = float(known[name])
             elif name in st:
                 value = float(_plain(st[name]))
@@ -287,6 +297,7 @@ class TableBinding:
         self._by_torch += [(groups[tg], ps) for tg, ps in sorted(by_torch.items())]
         self.__dict__.pop("_torch_delegate", None)
         self._bind_step_tensors()
+        self._bind_uniform_states()
         self._watch_tables()
         self._plain_launch = self._make_plain_launch()
         sigs = [self._sig_get(g) for g in groups]
@@ -329,6 +340,34 @@ class TableBinding:
                 self.state[p]["step"] = view
                 self._step_views[p] = view
             self._step_bufs.append((counts, e))
+
+    def _bind_uniform_states(self):
+        """Per-parameter scalars a CPU engine keeps (NAdam's mu_product, ASGD's eta and mu) as 0-dim
+        views of one tensor per engine, refreshed after every step (_refresh_uniform_states), so
+        that code reading opt.state sees them current, as torch's. (CUDA engines keep them on the
+        device: written on state_dict() and deepcopy, where a read of the device is expected.)"""
+        self._ustate_bufs = []
+        for e in self._engines.values():
+            if e.device.type != "cpu" or not e.uniform_state_specs or not e.params:
+                continue
+            names = [name for name, _ in e.uniform_state_specs]
+            values = dict(e.uniform_states())
+            buf = torch.tensor([[float(values[p][n]) for n in names] for p in e.params], dtype=_scalar_dtype())
+            for i, p in enumerate(e.params):
+                st = self.state[p]
+                views = self._ustate_views.setdefault(p, {})
+                for j, name in enumerate(names):
+                    old = st.get(name)
+                    if torch.is_tensor(old) and old.dtype != buf.dtype:
+                        continue  # (a state of another dtype: left as it is, written on state_dict())
+                    views[name] = st[name] = buf[i, j]
+            self._ustate_bufs.append((buf, e, names))
+
+    def _refresh_uniform_states(self):
+        """The uniform-state views (_bind_uniform_states) set from the engines' values after a step."""
+        for buf, e, names in self._ustate_bufs:
+            per_group = [[e.core.uniform_state(gi, n) for n in names] for gi in range(len(e.groups))]
+            buf.copy_(torch.tensor([per_group[gi] for gi in e.group_of], dtype=buf.dtype))
 
     def _watch_tables(self):
         """Tells the watch which parameter and state tensors each table entry steps, so that every

@@ -280,6 +280,7 @@ class Muon(torch.optim.Optimizer):
         self._buckets = []
         self._out_groups = []   # internal group of the apply pass -> (torch group index, lr ratio, tall)
         self._copies = []       # (gradient, contiguous copy the momentum pass reads)
+        self._gathers = []      # (strided parameter, contiguous copy the apply pass steps)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -335,12 +336,16 @@ class Muon(torch.optim.Optimizer):
         with _interrupts_deferred():
             for src, dst in self._copies:
                 dst.copy_(src)
+            for p, dense in self._gathers:
+                dense.copy_(p)
             for e in self._engines_in.values():
                 e.step(None, None)
             for bucket in self._buckets:
                 bucket.orthogonalise()
             for e in self._engines_out.values():
                 e.step(None, None)
+            for p, dense in self._gathers:
+                p.copy_(dense)
         return loss
 
     def _fresh(self):
@@ -390,12 +395,9 @@ class Muon(torch.optim.Optimizer):
                         raise RuntimeError("Muon does not support sparse gradients")
                     if grad.ndim != 2:
                         raise ValueError("Param gradient must be a 2D matrix")
-                    if not p.is_contiguous():
-                        raise OptfuseError(f"Muon: parameter of shape {tuple(p.shape)} (group {tg}) is not contiguous "
-                                           f"(strides {p.stride()}); optfuse's Muon needs contiguous matrices")
                     items.append((p, grad, tg, w))
                 w += 1
-        buckets, members, copies = {}, {}, []
+        buckets, members, copies, gathers = {}, {}, [], []
         for p, grad, tg, w in items:
             key = (p.device, p.dtype, tuple(p.shape), sigs[tg][:4])
             members.setdefault(key, []).append((p, grad, tg, w))
@@ -425,13 +427,18 @@ class Muon(torch.optim.Optimizer):
                 if og_key not in out_index:
                     out_index[og_key] = len(out_groups)
                     out_groups.append(og_key)
+                dense = None
+                if not p.is_contiguous():  # (a strided matrix: stepped through a contiguous copy)
+                    dense = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                    gathers.append((p.detach(), dense))
                 out_entries.setdefault((device, dtype), []).append(
-                    (p, scratch, [], out_index[og_key], 0, w, (False, False), 0))
+                    (p, scratch, [], out_index[og_key], 0, w, (False, False), 0, None, dense))
         self._out_groups = out_groups
         self._engines_in = self._engines(self._engines_in, in_entries, momentum_rule)
         self._engines_out = self._engines(self._engines_out, out_entries, apply_rule)
         self._buckets = list(buckets.values())
         self._copies = copies
+        self._gathers = gathers  # (strided parameter, its contiguous copy): gathered and scattered per step
         # every step checks the parameters and momentum buffers the tables point at (TableWatch)
         self._watch.watch_tables(self.state, [w for _, _, _, w in items], [self.state[p] for p, _, _, _ in items],
                                  [["momentum_buffer"] for _ in items])
