@@ -216,6 +216,9 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         if _compile.compiling():
             return self._step_graph(closure, grad_scale, found_inf)
         self._opt_called = True  # what an lr scheduler's wrapper of step() would record (see below)
+        origin = self.__dict__.get("_fused_from")
+        if origin is not None and origin() is not None:  # fuse(opt): a scheduler bound to opt reads it there
+            origin()._opt_called = True
         # hooks_active(self), written out: with the call, Dynamo (torch 2.11) compiled this frame's
         # callee _step_impl after a graph break and crashed on its attribute stores
         if (_torch_opt._global_optimizer_pre_hooks or _torch_opt._global_optimizer_post_hooks

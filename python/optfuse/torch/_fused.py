@@ -1,6 +1,7 @@
 """optfuse.torch.Fused: any chain (built-in or rules written in Python) as a torch optimizer, and
 optfuse.torch.fuse: a running torch.optim optimizer turned into its fused equivalent."""
 import sys
+import weakref
 
 import torch
 
@@ -117,6 +118,7 @@ def fuse(opt):
         return fuse_by_tracing(opt)
     new = cls.__new__(cls)
     FusedOptimizer.__init__(new, opt.param_groups, dict(opt.defaults))
+    new._fused_from = weakref.ref(opt)  # (its lr schedulers see its steps: FusedOptimizer.step)
     for p, st in opt.state.items():
         new.state[p] = dict(st)
     return new

@@ -1,5 +1,7 @@
 """fuse() for optimizers without a hand-written drop-in: their step traced into a rule (_trace.py),
 run by the same engine as every optfuse.torch optimizer, and checked against the original first."""
+import weakref
+
 import torch
 
 from ._base import FusedOptimizer, OptfuseError
@@ -110,6 +112,7 @@ def _new_traced(original, param_groups, defaults, rules=None, counters=frozenset
     layout = next(iter(t._rules.values()))[1]
     t._step_in_state = layout.step_key is not None  # written as the original does (_sync_steps)
     FusedOptimizer.__init__(t, param_groups, defaults)
+    t._fused_from = weakref.ref(original)  # (its lr schedulers see its steps: FusedOptimizer.step)
     return t
 
 
