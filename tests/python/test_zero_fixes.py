@@ -122,6 +122,8 @@ def storage_worker(rank, world, init_file, out_dir):
                         p.data = p.data.clone()
                 for p, q, g in zip(model.parameters(), ref_model.parameters(), grads(model, s)):
                     p.grad, q.grad = g.clone(), g.clone()
+                if s == 4:  # (stage 2: reduced before the step notices the new storage; a clip of 1)
+                    zero.clip_grad_norm_(1e9)
                 zero.step()
                 ref.step()
                 if s in (2, 4):

@@ -66,6 +66,11 @@ matrices, so their shards are cut at tensor starts only; each rank steps the par
 whole, with the wrapped class (stage 2: each owned matrix's gradient is its averaged shard); their
 sharded (DCP) checkpoints hold each owned state whole, written by its owner. Another rule chain with
 row or column values (a matrix plan) is refused.
+
+Code: the two ways of sharding are strategy objects (_zero_strategies.py: FlatPieces,
+WholeParameters), the checkpoints are in _zero_checkpoint.py, the layout and stage 2's reduction in
+_zero_buckets.py. A parameter whose storage is replaced after ZeRO was built (`p.data = ...`) is cut
+again at the next step when it keeps its shape, dtype and device, refused otherwise.
 """
 import contextlib
 import sys
@@ -227,11 +232,10 @@ class ZeRO(torch.optim.Optimizer):
         for pc, new in mine:
             del self._piece_of_view[id(pc.view)]
             self._piece_of_view[id(new)] = pc
-            if self._reducer is not None:
+            if self._reducer is not None:  # (its averaged gradient: the same view of the shard)
                 self._reducer.views[id(new)] = self._reducer.views.pop(id(pc.view))
+                new.grad = pc.view.grad
             pc.view = new
-        if self._reducer is not None:
-            self._reducer.present = None  # the new views' .grad set at the next reduction
         self._gather = {}  # (its views were of the old storage)
 
     def _position(self, i):
