@@ -1,10 +1,9 @@
 """ZeRO against torch.optim on what issue 30 found (2 gloo CPU ranks, spawned as in test_zero.py):
 0-dim parameters (a learnable temperature) under optimizers whose constructor makes state (Adagrad)
 or that keep per-parameter scalars (ASGD's eta and mu, NAdam's mu_product), also across a
-consolidated state dict; a parameter's storage replaced after ZeRO was built (`p.data =
+consolidated state dict and a sharded (DCP) checkpoint; a parameter's storage replaced after ZeRO was built (`p.data =
 p.data.clone()`: re-cut on the new storage; another shape or dtype: a clear error, nothing changed);
 `_step_supports_amp_scaling` True only for GradScaler.step."""
-import copy
 from datetime import timedelta
 
 import pytest
@@ -61,31 +60,41 @@ ZERO_DIM_CASES = [("Adagrad", dict(lr=0.1, lr_decay=0.01, initial_accumulator_va
 
 
 def zero_dim_worker(rank, world, init_file, out_dir):
+    import torch.distributed.checkpoint as dcp
     import optfuse.torch as oft
     from optfuse.torch.distributed import ZeRO
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     out = {}
-    for stage in (1, 2):
-        for name, kw in ZERO_DIM_CASES:
-            model, ref_model = Scaled(), Scaled()
-            zero = ZeRO(getattr(oft, name)(model.parameters(), **kw), stage=stage)
-            ref = getattr(torch.optim, name)(ref_model.parameters(), **kw)
-            diff = 0.0
-            for s in range(STEPS):
-                if s == STEPS // 2:  # a consolidated checkpoint into a new ZeRO, whose optimizer made state
+    runs = [(stage, name, kw, "consolidated") for stage in (1, 2) for name, kw in ZERO_DIM_CASES]
+    runs += [(stage, name, kw, "dcp") for stage in (1, 2) for name, kw in ZERO_DIM_CASES[::2]]
+    for stage, name, kw, how in runs:
+        model, ref_model = Scaled(), Scaled()
+        zero = ZeRO(getattr(oft, name)(model.parameters(), **kw), stage=stage)
+        ref = getattr(torch.optim, name)(ref_model.parameters(), **kw)
+        diff = 0.0
+        for s in range(STEPS):
+            if s == STEPS // 2:  # a checkpoint into a new ZeRO, whose optimizer made state
+                if how == "consolidated":
                     sd = zero.state_dict()
                     zero = ZeRO(getattr(oft, name)(model.parameters(), **kw), stage=stage)
                     zero.load_state_dict(sd)
-                for p, q, g in zip(model.parameters(), ref_model.parameters(), grads(model, s)):
-                    p.grad, q.grad = g.clone(), g.clone()
-                zero.step()
-                ref.step()
-                diff = max(diff, worst(model, ref_model))
-            out[f"stage {stage} {name}"] = dict(param=diff, state=same_state(zero.state_dict()["state"],
-                                                                              ref.state_dict()["state"]),
-                                                 moved=worst(model, Scaled()) > 1e-3)
+                else:  # sharded (DCP), saved and loaded by the same ranks
+                    ckpt = f"{out_dir}/ckpt-{stage}-{name}"
+                    dcp.save(zero.sharded_state_dict(), checkpoint_id=ckpt)
+                    zero = ZeRO(getattr(oft, name)(model.parameters(), **kw), stage=stage)
+                    sd = zero.sharded_state_dict(like=dcp.FileSystemReader(ckpt).read_metadata())
+                    dcp.load(sd, checkpoint_id=ckpt)
+                    zero.load_sharded_state_dict(sd)
+            for p, q, g in zip(model.parameters(), ref_model.parameters(), grads(model, s)):
+                p.grad, q.grad = g.clone(), g.clone()
+            zero.step()
+            ref.step()
+            diff = max(diff, worst(model, ref_model))
+        out[f"stage {stage} {name} {how}"] = dict(
+            param=diff, state=same_state(zero.state_dict()["state"], ref.state_dict()["state"]),
+            moved=worst(model, Scaled()) > 1e-3)
     report(out_dir, rank, out)
 
 
