@@ -1,6 +1,5 @@
 """The torch.optim.Optimizer subclass every optfuse.torch optimizer derives from.
 
-
 The layers (docs/architecture.md, "The Python package"):
   _base.py         this adapter: torch.optim.Optimizer's API (param_groups, state, state_dict, hooks,
                    step) and the subclass interface below
@@ -9,6 +8,8 @@ The layers (docs/architecture.md, "The Python package"):
   _step_paths.py   StepPaths: the torch.compile custom op and CUDA-graph capture
   _engine.py       Engine: one compiled chain on one device and its tensor table
   _group_values.py, _precision.py: what a param group's values mean (pure functions)
+  _checks.py       what the binding refuses before any memory is touched
+
 Subclasses describe how torch's group options map onto optfuse chains (the first three are handed
 _host_view(group): numbers only, see "Tensor hyperparameters" below):
   _structure(group) -> hashable key: groups with different keys get different chains (engines)
@@ -18,7 +19,7 @@ _host_view(group): numbers only, see "Tensor hyperparameters" below):
                        the engine binds so the kernel reads it at every step)
   _sig_keys         -> group keys whose change must be noticed (hyperparameters and structure)
 
-Mixed precision (every subclass; constructor keywords and param_group keys, see _PRECISION):
+Mixed precision (every subclass; constructor keywords and param_group keys, see _precision.py):
   master_weights=False|True|"remainders", state_dtype=None|torch.float32|torch.bfloat16|torch.float16,
   stochastic_rounding=False, kahan=False. They choose the chain's precision options (master copy,
   remainders, Kahan compensation: extra state slots the core adds) and each role's dtype; a group's
