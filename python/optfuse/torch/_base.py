@@ -47,7 +47,7 @@ from ._binding import TableBinding, _with_unscale  # noqa: F401
 from ._engine import dtype_code, real_view
 from ._group_values import (DeviceValue, _host_number, _host_view, _is_dense, _plain, _scalar_dtype,  # noqa: F401
                             _sig_key)
-from ._precision import _chain_precision, _check_precision_options, _precision_of, _taking_precision_options
+from ._precision import PRECISION_DOC, _chain_precision, _check_precision_options, _precision_of, _taking_precision_options
 from ._step_paths import StepPaths, _dynamo_opaque  # noqa: F401
 
 OptfuseError = _core.OptfuseError
@@ -77,6 +77,8 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         super().__init_subclass__(**kw)
         if "__init__" in cls.__dict__:
             cls.__init__ = _taking_precision_options(cls.__dict__["__init__"])
+            if cls.__doc__ and PRECISION_DOC not in cls.__doc__:
+                cls.__doc__ = cls.__doc__.rstrip() + "\n" + PRECISION_DOC
 
     def __init__(self, params, defaults):
         self._init_private()

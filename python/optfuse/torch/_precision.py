@@ -1,6 +1,7 @@
 """The mixed-precision options of every optfuse.torch optimizer (constructor keywords and
 param_group keys): their defaults, validation and what they mean for a chain and its states."""
 import functools
+import inspect
 import operator
 
 import torch
@@ -81,6 +82,22 @@ def _state_dtype(prec, p, name):
     return torch.float32 if prec.master_weights != "none" else p.dtype
 
 
+# What each option means, for every optfuse.torch class's docstring (one definition).
+PRECISION_DOC = """
+    optfuse's options besides the replaced class's (keyword-only; also param_group keys):
+      master_weights=False   True: a float32 master copy of each float16/bfloat16 parameter is
+                             stepped and rounded into the parameter; "remainders": a bfloat16
+                             parameter plus an int16 remainder (6 bytes per parameter). Refused
+                             for parameters of other dtypes.
+      state_dtype=None       dtype of the rule's states (torch.float32, torch.bfloat16,
+                             torch.float16); None: the parameter's (float32 beside a master copy).
+      stochastic_rounding=False  float16/bfloat16 stores round stochastically (deterministic
+                             streams per tensor).
+      kahan=False            Kahan-compensated parameter updates (a compensation state in the
+                             parameter's dtype); exclusive with master_weights and stochastic_rounding.
+"""
+
+
 def _taking_precision_options(init):
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
@@ -88,4 +105,13 @@ def _taking_precision_options(init):
         if given or "_precision_defaults" not in self.__dict__:
             self.__dict__["_precision_defaults"] = given
         init(self, *args, **kwargs)
+    # help() and inspect show the options in the signature, keyword-only, with their defaults
+    try:
+        sig = inspect.signature(init)
+        params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name not in _PRECISION]
+        extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in _PRECISION.items()]
+        rest = [p for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+        wrapper.__signature__ = sig.replace(parameters=params + extra + rest)
+    except (TypeError, ValueError):
+        pass
     return wrapper
