@@ -289,8 +289,11 @@ CompileResult compile(const std::string& source, const std::string& program_name
   // checked before an entry is used: the bytes handed to the driver are the ones verified).
   std::string key_text = "optfuse-cuda-v2\nnvrtc " + nvrtc_state().detail + "\n";
   for (const auto& o : opts) key_text += std::to_string(o.size()) + ":" + o + "\n";
-  key_text += "--\n" + source;
-  const std::string key = sha256_hex(key_text);
+  key_text += "--\n";
+  Sha256 key_hash;  // of key_text + source, without copying the source
+  key_hash.update(key_text);
+  key_hash.update(source);
+  const std::string key = to_hex(key_hash.finish());
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
   std::optional<DiskCache> cache;
   DiskCache::Lock file_lock;

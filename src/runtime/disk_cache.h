@@ -93,7 +93,9 @@ class DiskCache {
   // The verified entry, or nullopt if there is none; a bad one is removed (with a warning).
   std::optional<Entry> load(const std::string& key, const std::string& ext, bool want_payload) const;
   // Best effort: a read-only or full cache directory is not an error (returns false, leaves nothing).
-  bool store(const std::string& key, const std::string& ext, const std::string& payload) const;
+  // `payload_digest`: the payload's SHA-256 if the caller has it already (not hashed twice).
+  bool store(const std::string& key, const std::string& ext, const std::string& payload,
+             const Sha256::Digest* payload_digest = nullptr) const;
 
   // Why the file `name` of this directory is not a good entry for `key`; empty if it is. With
   // `out`, fills it (fd, sizes, digest and, if `want_payload`, the bytes).

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <string_view>
 #include <unordered_map>
 #include <memory>
 #include <mutex>
@@ -275,18 +276,44 @@ std::string numbered_head(const std::string& source, int max_lines) {
   return out;
 }
 
-// (cache root, key material) -> what compile_shared_object returned for it in this process.
+// (cache root, key material) -> what compile_shared_object returned for it in this process. The
+// material is kept as its two parts (compiler, CPU and flags; the source) so that neither a lookup
+// nor the key's hash needs them concatenated into one more copy of the source.
 class VerifiedKernels {
  public:
-  std::optional<CompileResult> find(const std::string& k) {
-    std::lock_guard<std::mutex> lk(mu_);
-    auto it = map_.find(k);
-    if (it == map_.end()) return std::nullopt;
-    return it->second;
+  struct Key {
+    const std::string& root;
+    const std::string& head;    // the length-prefixed parts before the source
+    const std::string& source;
+    size_t hash;                // memo_hash of the three
+  };
+  // Only for finding candidates: a hit is confirmed by comparing all of the text, so a sample
+  // of the source does (the first and last KB and 64 bytes of every KB): a lookup costs about
+  // 1 us instead of a pass over the 20-60 KB of a generated kernel.
+  static size_t memo_hash(const std::string& root, const std::string& head, const std::string& source) {
+    const std::hash<std::string_view> hs;
+    const std::string_view src(source);
+    size_t h = hs(root) * 31 + hs(head);
+    h = h * 31 + src.size();
+    h = h * 31 + hs(src.substr(0, 1024));
+    h = h * 31 + hs(src.substr(src.size() > 1024 ? src.size() - 1024 : 0));
+    for (size_t at = 1024; at + 1024 < src.size(); at += 1024) h = h * 31 + hs(src.substr(at, 64));
+    return h;
   }
-  void add(const std::string& k, const CompileResult& r) {
+  std::optional<CompileResult> find(const Key& k) {
     std::lock_guard<std::mutex> lk(mu_);
-    map_.emplace(k, r);
+    auto it = map_.find(k.hash);
+    if (it == map_.end()) return std::nullopt;
+    for (const Item& i : it->second)
+      if (i.source == k.source && i.head == k.head && i.root == k.root) return i.result;
+    return std::nullopt;
+  }
+  void add(const Key& k, const CompileResult& r) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& items = map_[k.hash];
+    for (const Item& i : items)
+      if (i.source == k.source && i.head == k.head && i.root == k.root) return;
+    items.push_back(Item{k.root, k.head, k.source, r});
   }
   void clear() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -294,8 +321,12 @@ class VerifiedKernels {
   }
 
  private:
+  struct Item {
+    std::string root, head, source;
+    CompileResult result;
+  };
   std::mutex mu_;
-  std::unordered_map<std::string, CompileResult> map_;
+  std::unordered_map<size_t, std::vector<Item>> map_;
 };
 
 VerifiedKernels& verified_kernels() {
@@ -343,24 +374,31 @@ CompileResult compile_shared_object(const std::string& source,
 
   std::vector<std::string> flags = default_compile_flags();
   flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
-  // Every part is length-prefixed, so no two different lists of parts make the same text.
-  std::string material;
-  auto part = [&](const std::string& s) { material += std::to_string(s.size()) + ":" + s; };
+  // Every part is length-prefixed, so no two different lists of parts make the same text. The key
+  // is the SHA-256 of head + "<size>:" + source, hashed in two updates (the same digest as the
+  // concatenation, without copying the source).
+  std::string head;
+  auto part = [&](const std::string& s) { head += std::to_string(s.size()) + ":" + s; };
   part("optfuse-host-so-v2");
   for (const std::string& p : {cc->path, cc->version, cpu_features()}) part(p);
   for (const auto& f : flags) part(f);
-  part(source);
+  head += std::to_string(source.size()) + ":";
 
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
   // A kernel this process already verified and loaded is not read from disk again: its bytes are
   // held by an open descriptor (loadable_path), and dlopen would return the mapped object anyway.
-  const std::string memo_key = use_cache ? cache_root() + '\0' + material : std::string();
+  const std::string root = use_cache ? cache_root() : std::string();
+  const VerifiedKernels::Key memo{root, head, source,
+                                  use_cache ? VerifiedKernels::memo_hash(root, head, source) : 0};
   if (use_cache) {
-    if (auto hit = verified_kernels().find(memo_key)) return {hit->so_path, true, elapsed(), hit->cache_path};
+    if (auto hit = verified_kernels().find(memo)) return {hit->so_path, true, elapsed(), hit->cache_path};
   }
-  const std::string key = sha256_hex(material);
+  Sha256 key_hash;
+  key_hash.update(head);
+  key_hash.update(source);
+  const std::string key = to_hex(key_hash.finish());
   auto remember = [&](CompileResult r) {
-    if (use_cache) verified_kernels().add(memo_key, r);
+    if (use_cache) verified_kernels().add(memo, r);
     return r;
   };
 
@@ -426,7 +464,7 @@ CompileResult compile_shared_object(const std::string& source,
   }
   const Sha256::Digest digest = sha256(bytes.data(), bytes.size());
   std::string cache_path;
-  if (cached && cache->store(key, ".so", bytes)) cache_path = cache->path_for(key, ".so");
+  if (cached && cache->store(key, ".so", bytes, &digest)) cache_path = cache->path_for(key, ".so");
   // A read-only or full cache: the compiled object is still loadable, just not kept.
   return remember({loadable_path(std::move(so_fd), digest), false, elapsed(), cache_path});
 }
