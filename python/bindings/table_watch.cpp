@@ -80,6 +80,7 @@ class TableWatch {
     name_dtype_ = intern("dtype");
     name_device_ = intern("device");
     grads_.resize(params_.size());
+    held_.resize(params_.size());
     ptrs_.assign(params_.size(), 0);
     snapshot();
   }
@@ -172,6 +173,7 @@ class TableWatch {
         g = l;
       }
       nb::object grad = nb::steal(g);
+      held_[i] = grad;  // (kept alive until release(): another thread may replace it mid-launch)
       const TensorLayout& was = grads_[i];
       if ((g != Py_None) != (was.ndim >= 0)) return 2;  // a gradient appeared or vanished
       if (g == Py_None) continue;
@@ -212,9 +214,17 @@ class TableWatch {
           grads_[i].unreadable = true;
         }
       }
+      held_[i] = grad;
       out.append(grad);
     }
     return out;
+  }
+
+  // Drops the references check() and snapshot() took to the gradients they read. Between them and
+  // this call (the launch) the gradients the tables point at stay alive whatever another thread does
+  // to `.grad`; after it, a gradient freed by zero_grad is not kept alive by the watch.
+  void release() {
+    for (nb::object& g : held_) g = nb::object();
   }
 
   const std::vector<uint64_t>& pointers() const { return ptrs_; }
@@ -352,6 +362,7 @@ class TableWatch {
   std::vector<bool> local_;
   std::vector<TensorLayout> grads_;  // per parameter: its gradient at snapshot() (ndim -1: none)
   std::vector<uint64_t> ptrs_;       // per parameter: its gradient's pointer (+ offset) for the tables
+  std::vector<nb::object> held_;     // per parameter: the gradient last read, until release()
   std::vector<Entry> entries_;       // per table entry: the parameter and states it steps
   nb::object state_;                 // opt.state when the tables were built
   const dx::Api* api_;               // null: Python descriptions
@@ -374,6 +385,7 @@ void bind_table_watch(nb::module_& m) {
            "same_object_keys"_a = std::vector<std::vector<nb::object>>())
       .def("check", &TableWatch::check, "state"_a.none() = nb::none())
       .def("snapshot", &TableWatch::snapshot)
+      .def("release", &TableWatch::release)
       .def("pointers", [](const TableWatch& w) { return w.pointers(); })
       .def("__len__", &TableWatch::size);
 }

@@ -261,7 +261,10 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
                 self._restore_home()
             for src, dst in self._copies:
                 dst.copy_(src)
-            self._launch(grad_scale, found_inf, capturing)
+            try:
+                self._launch(grad_scale, found_inf, capturing)
+            finally:  # (the gradients read by the check were kept alive through the launch)
+                self._watch.release()
             if self._ustate_bufs:
                 self._refresh_uniform_states()
             if self._by_torch:

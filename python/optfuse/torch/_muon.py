@@ -346,6 +346,7 @@ class Muon(torch.optim.Optimizer):
                 e.step(None, None)
             for p, dense in self._gathers:
                 p.copy_(dense)
+        self._watch.release()  # (the gradients the check read stayed alive through the launches)
         return loss
 
     def _fresh(self):

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The torch front end's pointer and size cases (tests/python/test_source_of_truth.py and
+# test_grad_reading.py) with the Python extension built with AddressSanitizer and
+# UndefinedBehaviorSanitizer in build-asan (the C++ suites' sanitized build, configured by
+# scripts/test.sh; this adds the extension to it), the sanitizer runtime preloaded into the
+# interpreter. A report fails the run (halt_on_error). Leak checking is off: the interpreter and
+# torch keep memory until exit by design. The kernels the CPU backend compiles at run time are not
+# instrumented; what is checked is the extension's own reading of torch's tensors and tables.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOPTFUSE_SANITIZE=address,undefined \
+  -DOPTFUSE_PYTHON_EXTENSION=ON -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
+cmake --build build-asan --target _core
+pkg=build-asan/python-package
+rm -rf "$pkg" && mkdir -p "$pkg"
+cp -r python/optfuse "$pkg/optfuse"
+rm -f "$pkg"/optfuse/_core*.so
+cp build-asan/python/_core*.so "$pkg/optfuse/"
+asan=$(${CXX:-g++} -print-file-name=libasan.so)
+ubsan=$(${CXX:-g++} -print-file-name=libubsan.so)
+PYTHONPATH="$PWD/$pkg" LD_PRELOAD="$asan $ubsan" \
+  ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:halt_on_error=1 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  python3 -m pytest -q -p no:cacheprovider tests/python/test_source_of_truth.py tests/python/test_grad_reading.py "$@"
