@@ -34,6 +34,14 @@ def _grads(p, q, seed):
     p.grad, q.grad = x, x.clone()
 
 
+def _step_both(p, q, ours, ref, seeds):
+    """A step of each optimizer per seed, with the same new gradient each time."""
+    for s in seeds:
+        _grads(p, q, s)
+        ours.step()
+        ref.step()
+
+
 def _close(a, b):
     scale = max(1.0, float(b.detach().abs().max()))
     err = float((a.detach() - b.detach()).abs().max())
@@ -62,18 +70,12 @@ def _unchanged(opt, snap):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 def test_param_data_replaced_after_a_step(n, device):
     p, q, ours, ref = _pair(n, lr=0.1, device=device)
-    for s in range(3):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(3))
     old = p.data
     p.data = p.data.clone()          # what Module._apply / .to() / weight loading do
     q.data = q.data.clone()
     before = old.clone()
-    for s in range(3, 6):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(3, 6))
     _close(p, q)
     assert torch.equal(old, before), "the step wrote the storage the parameter no longer owns"
     _close(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"])
@@ -81,17 +83,11 @@ def test_param_data_replaced_after_a_step(n, device):
 
 def test_state_tensor_replaced_between_steps():
     p, q, ours, ref = _pair(lr=0.1)
-    for s in range(2):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(2))
     ours.state[p]["exp_avg"] = ours.state[p]["exp_avg"].clone() * 0.5
     ref.state[q]["exp_avg"] = ref.state[q]["exp_avg"].clone() * 0.5
     ours.state[p]["exp_avg_sq"].data = ours.state[p]["exp_avg_sq"].data.clone()
-    for s in range(2, 5):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(2, 5))
     _close(p, q)
     _close(ours.state[p]["exp_avg"], ref.state[q]["exp_avg"])
 
@@ -103,10 +99,7 @@ def test_state_dict_of_a_parameter_replaced():
     ref.step()
     ours.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in ours.state[p].items()}
     ref.state[q] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in ref.state[q].items()}
-    for s in range(1, 4):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(1, 4))
     _close(p, q)
     assert int(ours.state[p]["step"]) == 4
 
@@ -143,19 +136,14 @@ def test_gradient_shrunk_in_place_is_refused(how):
 def test_step_is_current_after_every_step():
     p, q, ours, ref = _pair(lr=0.1)
     for s in range(3):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+        _step_both(p, q, ours, ref, [s])
         assert float(ours.state[p]["step"]) == float(ref.state[q]["step"]) == s + 1
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_copies_continue_like_torch(how):
     p, q, ours, ref = _pair(lr=0.1)
-    for s in range(3):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(3))
     if how == "deepcopy":
         ours2, ref2 = copy.deepcopy(ours), copy.deepcopy(ref)
     elif how == "pickle":
@@ -267,10 +255,7 @@ def test_older_state_dict_without_a_key_loads_and_steps(cls, key):
         del s["param_groups"][0][key]
     ours.load_state_dict(sd)
     ref.load_state_dict(sd_ref)
-    for s in range(1, 4):
-        _grads(p, q, s)
-        ours.step()
-        ref.step()
+    _step_both(p, q, ours, ref, range(1, 4))
     _close(p, q)
 
 

@@ -33,7 +33,7 @@ rules whose value is a CUDA tensor are always in the chain (weight decay 0 costs
 a later fill_ from 0 to non-zero is never lost; a structural value (momentum 0 or not) keeps the value
 it had when first seen.
 """
-import math
+import inspect
 import operator
 import sys
 import threading
@@ -44,6 +44,7 @@ import torch.optim.optimizer as _torch_opt
 from .. import _core
 from . import _compile
 from ._binding import TableBinding, _with_unscale  # noqa: F401
+from ._checks import _check_loaded_steps
 from ._engine import dtype_code, real_view
 from ._group_values import (DeviceValue, _host_number, _host_view, _is_dense, _plain, _scalar_dtype,  # noqa: F401
                             _sig_key)
@@ -325,28 +326,7 @@ def _torch_setstate_keys(cls):
 
 def _torch_has_option(cls, key):
     """Whether torch's class `cls` (None: no torch class) has the constructor option `key`."""
-    import inspect
     return cls is None or key in inspect.signature(cls.__init__).parameters
-
-
-def _check_loaded_steps(name, state_dict):
-    """Refuses, before anything is loaded, a step count no optimizer could have taken (NaN, inf,
-    negative, fractional, beyond 2**53): torch would step with it and fail or go wrong later."""
-    for pid, st in state_dict.get("state", {}).items():
-        if not isinstance(st, dict) or "step" not in st:
-            continue
-        v = st["step"]
-        if torch.is_tensor(v):
-            if v.numel() != 1:
-                raise OptfuseError(f"{name}.load_state_dict: state {pid!r} has a 'step' of shape {tuple(v.shape)}; "
-                                   "expected one number")
-            v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{name}.load_state_dict: state {pid!r} has a 'step' of type {type(v).__name__}; "
-                            "expected a number or a one-element tensor")
-        if not math.isfinite(v) or v < 0 or v != int(v) or v > 2 ** 53:
-            raise ValueError(f"{name}.load_state_dict: state {pid!r} has step={v!r}; a step count is a whole number "
-                             "from 0 to 2**53")
 
 
 def _run_step_impl(self, *args, **kwargs):

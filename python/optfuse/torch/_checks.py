@@ -13,12 +13,37 @@ from ._group_values import _is_dense, _plain
 OptfuseError = _core.OptfuseError
 
 
+def _step_value(v):
+    """A step (a number or a one-element tensor) as a float, or the reason it is not one: a step
+    count is a whole number from 0 to 2**53 (NaN, inf, fractions and 1e30 are no optimizer's)."""
+    if torch.is_tensor(v):
+        if v.numel() != 1:
+            return None, f"a 'step' of shape {tuple(v.shape)}; expected one number"
+        v = _plain(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None, f"a 'step' of type {type(v).__name__}; expected a number or a one-element tensor"
+    if not math.isfinite(v) or v < 0 or v != int(v) or v > 2 ** 53:
+        return None, f"step={v!r}; a step count is a whole number from 0 to 2**53"
+    return v, None
+
+
 def _step_count(name, v):
-    """A state's step (a number or a one-element tensor) as an int, or a clear error."""
-    x = _plain(v) if torch.is_tensor(v) and v.numel() == 1 else v
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0 or x != int(x):
-        raise OptfuseError(f"{name}: a parameter's state has step={v!r}; a step count is a whole number >= 0")
+    """A state's step as an int, or a clear error."""
+    x, why = _step_value(v)
+    if why is not None:
+        raise OptfuseError(f"{name}: a parameter's state has {why}")
     return int(x)
+
+
+def _check_loaded_steps(name, state_dict):
+    """Refuses, before anything is loaded, a step count no optimizer could have taken: torch would
+    step with it and fail or go wrong later."""
+    for pid, st in state_dict.get("state", {}).items():
+        if isinstance(st, dict) and "step" in st:
+            _, why = _step_value(st["step"])
+            if why is not None:
+                raise (TypeError if "type" in why else ValueError)(
+                    f"{name}.load_state_dict: state {pid!r} has {why}")
 
 
 def _check_grad(name, p, grad, tg, i):
