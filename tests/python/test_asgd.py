@@ -142,7 +142,19 @@ def test_parameters_of_one_group_with_different_etas(device):
         assert_same(model, ref_model, ours, ref, device, f"step {s}")
 
 
-def test_parameters_that_join_later(device):
+@pytest.fixture(params=["views", "device-like"])
+def ustate_views(request, monkeypatch):
+    """"views": as CPU engines run, opt.state's eta and mu are views refreshed after every step;
+    "device-like": as CUDA engines run, they are written only on state_dict() (the engines keep
+    the values), so a rebuild must take the engines' values, not the stale tensors in opt.state
+    (the bug the H200 found: a rebuild at a new param group restarted eta from lr)."""
+    if request.param == "device-like":
+        from optfuse.torch._binding import TableBinding
+        monkeypatch.setattr(TableBinding, "_bind_uniform_states", lambda self: setattr(self, "_ustate_bufs", []))
+    return request.param
+
+
+def test_parameters_that_join_later(device, ustate_views):
     """A param group added after 4 steps (its own lr), and a parameter of the first group that gets
     its first gradient at step 6: each starts at eta = its group's lr of then, mu = 1, as in torch."""
     opts, models, extras = [], [], []

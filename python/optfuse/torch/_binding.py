@@ -33,6 +33,9 @@ class TableBinding:
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._step_views = WeakIdKeyDictionary()  # parameter -> the state["step"] tensor the step advances
         self._ustate_views = WeakIdKeyDictionary()  # parameter -> {uniform state name: the view refreshed}
+        # parameter -> {uniform state name: the tensor optfuse last put in its state}: that one holds
+        # a past value (CUDA engines keep theirs on the device), unlike one loaded or set by hand
+        self._ustate_written = WeakIdKeyDictionary()
         self._ustate_bufs = []  # (tensor the views view, engine, names) per CPU engine with uniform states
         self._step_bufs = []  # per engine whose steps are counted: (the tensor the views view, engine)
         self._plain_launch = None  # the calls of a plain CPU step (_make_plain_launch)
@@ -56,6 +59,7 @@ class TableBinding:
         self._ustates = {}
         self._step_views = WeakIdKeyDictionary()
         self._ustate_views = WeakIdKeyDictionary()
+        self._ustate_written = WeakIdKeyDictionary()
         self._step_bufs = []
         self._ustate_bufs = []
         self._plain_launch = None
@@ -166,6 +170,13 @@ class TableBinding:
                     like = old if torch.is_tensor(old) else None
                     st[name] = torch.tensor(value, dtype=like.dtype if like is not None else _scalar_dtype(),
                                             device=like.device if like is not None else None)
+                    self._put_ustate(p, st, name, st[name])
+
+    def _put_ustate(self, p, st, name, tensor):
+        """Puts a uniform state's value in p's state as optfuse's own: until replaced, the engines'
+        values are newer than it (_ustates_of)."""
+        st[name] = tensor
+        self._ustate_written.setdefault(p, {})[name] = tensor
 
     def _ustates_of(self, p, st, engine):
         """Parameter p's uniform-state values for the engine's table: read back from an engine, else
@@ -175,9 +186,11 @@ class TableBinding:
             return None
         known = self._ustates.get(p, {})
         live = self._ustate_views.get(p, {})
+        written = self._ustate_written.get(p, {})
         out = []
         for name, init in engine.uniform_state_specs:
-            if name in st and st[name] is not live.get(name):  # (loaded, or set by hand: torch's state wins)
+            if name in st and st[name] is not live.get(name) and st[name] is not written.get(name):
+                # (loaded, or set by hand: torch's state wins)
                 value = float(_plain(st[name]))
             elif name in known:
                 value = float(known[name])
@@ -185,7 +198,7 @@ class TableBinding:
                 value = float(_plain(st[name]))
             else:
                 value = float(init)
-                st[name] = torch.tensor(value, dtype=_scalar_dtype())
+                self._put_ustate(p, st, name, torch.tensor(value, dtype=_scalar_dtype()))
             out.append(value)
         return tuple(out)
 

@@ -462,8 +462,8 @@ class ASGD(_OptionalWeightDecay):
             if "step" not in st:
                 st["step"] = torch.tensor(float(self._steps.get(p, 0)), dtype=_scalar_dtype())
             lr = _plain(self._asgd_group_of[id(p)]["lr"])
-            st["eta"] = torch.as_tensor(lr, device=p.device, dtype=_scalar_dtype()).clone().detach()
-            st["mu"] = torch.ones((), device=p.device, dtype=_scalar_dtype())
+            self._put_ustate(p, st, "eta", torch.as_tensor(lr, device=p.device, dtype=_scalar_dtype()).clone().detach())
+            self._put_ustate(p, st, "mu", torch.ones((), device=p.device, dtype=_scalar_dtype()))
         return super()._states_for(p, st, engine, prec)
 
     def _sync_steps(self, write_state=False):

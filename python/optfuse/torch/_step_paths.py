@@ -129,6 +129,8 @@ class StepPaths:
         # The next eager step compares every group with what it last pushed, not with what this pushed.
         self._sigs = [_STALE] * len(self._sigs)
         self._launch(grad_scale, found_inf, capturing)
+        if self._ustate_bufs:  # (CPU: opt.state's eta, mu, mu_product current after this step too)
+            self._refresh_uniform_states()
 
     def _check_frozen_structure(self, layout):
         """A CPU tensor hyperparameter whose value decides the chain (weight_decay 0 or not...)
