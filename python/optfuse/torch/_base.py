@@ -184,7 +184,12 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
     def state_dict(self):
         with self._lock:
             self._sync_steps(write_state=True)
-            return super().state_dict()
+            return _steps_where_torch_keeps_them(self, super().state_dict())
+
+    def _torch_step_on_device(self, group):
+        """Whether torch's class keeps this group's state["step"] on the parameter's device
+        (capturable or fused groups) rather than on the CPU."""
+        return bool(group.get("capturable", False) or group.get("fused", False))
 
     def load_state_dict(self, state_dict):
         with self._lock:
@@ -301,6 +306,27 @@ class FusedOptimizer(TableBinding, StepPaths, torch.optim.Optimizer):
         step = type(d).step
         step = step.__wrapped__ if getattr(step, "hooked", False) and hasattr(step, "__wrapped__") else step
         step(d)
+
+
+def _steps_where_torch_keeps_them(opt, sd):
+    """The state dict with each "step" on the device torch's class keeps it on for that group (the
+    CPU unless capturable or fused): the live step tensors stay where the launch advances them (on
+    the device, so that a GradScaler skip needs no synchronisation); the dict torch saves and loads
+    has torch's format. The entries changed are new dicts (the others are opt.state's own)."""
+    by_device = {}
+    for g_saved, g in zip(sd["param_groups"], opt.param_groups):
+        on_device = opt._torch_step_on_device(g)
+        for i, p in zip(g_saved["params"], g["params"]):
+            st = sd["state"].get(i)
+            t = st.get("step") if st else None
+            where = p.device if on_device else torch.device("cpu")
+            if torch.is_tensor(t) and t.device != where:
+                by_device.setdefault(where, []).append((i, t))
+    for where, items in by_device.items():  # (one copy per destination: one synchronisation, not one per parameter)
+        moved = torch.stack([t for _, t in items]).to(where).unbind(0)
+        for (i, _), m in zip(items, moved):
+            sd["state"][i] = dict(sd["state"][i], step=m)
+    return sd
 
 
 _SETSTATE_KEYS = {}

@@ -466,14 +466,5 @@ class ASGD(_OptionalWeightDecay):
             self._put_ustate(p, st, "mu", torch.ones((), device=p.device, dtype=_scalar_dtype()))
         return super()._states_for(p, st, engine, prec)
 
-    def _sync_steps(self, write_state=False):
-        # state_dict() (write_state=True): step, eta and mu as the last step left them (eta and mu by
-        # the base class, as uniform states); torch keeps ASGD's step on the parameter's device.
-        super()._sync_steps(write_state)
-        if not write_state:
-            return
-        for g in self.param_groups:
-            for p in g["params"]:
-                st = self.state.get(p)
-                if st and torch.is_tensor(st.get("step")) and st["step"].device != p.device:
-                    st["step"] = st["step"].to(p.device)
+    def _torch_step_on_device(self, group):
+        return True  # (torch.optim.ASGD keeps every step on the parameter's device)
