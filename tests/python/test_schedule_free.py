@@ -22,6 +22,7 @@ import torch
 
 import optfuse
 import optfuse.torch as oft
+from optfuse.torch._precision import _PRECISION
 from conftest import DEVICES
 
 schedulefree = pytest.importorskip("schedulefree", reason="schedulefree is not installed (scripts/setup.sh installs it)")
@@ -216,7 +217,12 @@ def test_fuse_takes_over_a_running_reference(device):
 
 def test_arguments_match_the_reference():
     sig, ref_sig = inspect.signature(oft.AdamWScheduleFree), inspect.signature(schedulefree.AdamWScheduleFree)
-    assert list(sig.parameters) == list(ref_sig.parameters)
+    # the reference's arguments, in its order, then optfuse's precision options (keyword-only)
+    ours = list(sig.parameters)
+    assert ours[:len(ref_sig.parameters)] == list(ref_sig.parameters)
+    extra = ours[len(ref_sig.parameters):]
+    assert sorted(extra) == sorted(_PRECISION), extra
+    assert all(sig.parameters[k].kind is inspect.Parameter.KEYWORD_ONLY for k in extra)
     for name, p in ref_sig.parameters.items():
         assert sig.parameters[name].default == p.default, name
     p, q = [torch.nn.Parameter(torch.zeros(3))], [torch.nn.Parameter(torch.zeros(3))]
