@@ -340,8 +340,9 @@ def test_keyboard_interrupt_leaves_a_consistent_state():
 
 # --- threads
 
-@pytest.mark.skip(reason="KNOWN BUG (issue 30, open): a segfault seen intermittently (about 1 run in 3) while "
-                         "one thread replaces gradients and two step; under investigation, see the closing note")
+@pytest.mark.skip(reason="KNOWN BUG (issue 30, open): a segfault while one thread replaces gradients and two "
+                         "step, always inside the _TableWatch constructor at a rebuild (1 run in 3; every run with "
+                         "gc.disable()); ASan: a call through a null function pointer. See the closing note")
 def test_two_threads_never_crash():
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1000)) for _ in range(20)]
