@@ -33,8 +33,8 @@ class TableBinding:
         self._ustates = {}  # parameter -> {uniform state name: value} read back from the engines
         self._step_views = WeakIdKeyDictionary()  # parameter -> the state["step"] tensor the step advances
         self._ustate_views = WeakIdKeyDictionary()  # parameter -> {uniform state name: the view refreshed}
-        # parameter -> {uniform state name: the tensor optfuse last put in its state}: that one holds
-        # a past value (CUDA engines keep theirs on the device), unlike one loaded or set by hand
+        # parameter -> {uniform state name: the tensor optfuse last put in its state (a view above, or
+        # one CUDA engines leave behind)}: the engines' values are newer; one loaded or set by hand wins
         self._ustate_written = WeakIdKeyDictionary()
         self._ustate_bufs = []  # (tensor the views view, engine, names) per CPU engine with uniform states
         self._step_bufs = []  # per engine whose steps are counted: (the tensor the views view, engine)
@@ -185,12 +185,10 @@ class TableBinding:
         if not engine.uniform_state_specs:
             return None
         known = self._ustates.get(p, {})
-        live = self._ustate_views.get(p, {})
         written = self._ustate_written.get(p, {})
         out = []
         for name, init in engine.uniform_state_specs:
-            if name in st and st[name] is not live.get(name) and st[name] is not written.get(name):
-                # (loaded, or set by hand: torch's state wins)
+            if name in st and st[name] is not written.get(name):  # (loaded, or set by hand: torch's state wins)
                 value = float(_plain(st[name]))
             elif name in known:
                 value = float(known[name])
@@ -374,7 +372,8 @@ class TableBinding:
                     old = st.get(name)
                     if torch.is_tensor(old) and old.dtype != buf.dtype:
                         continue  # (a state of another dtype: left as it is, written on state_dict())
-                    views[name] = st[name] = buf[i, j]
+                    self._put_ustate(p, st, name, buf[i, j])
+                    views[name] = st[name]
             self._ustate_bufs.append((buf, e, names))
 
     def _refresh_uniform_states(self):

@@ -14,16 +14,16 @@ OptfuseError = _core.OptfuseError
 
 
 def _step_value(v):
-    """A step (a number or a one-element tensor) as a float, or the reason it is not one: a step
-    count is a whole number from 0 to 2**53 (NaN, inf, fractions and 1e30 are no optimizer's)."""
+    """A step (a number or a one-element tensor) as a float, or (None, (exception class, reason)):
+    a step count is a whole number from 0 to 2**53 (NaN, inf, fractions and 1e30 are no optimizer's)."""
     if torch.is_tensor(v):
         if v.numel() != 1:
-            return None, f"a 'step' of shape {tuple(v.shape)}; expected one number"
+            return None, (ValueError, f"a 'step' of shape {tuple(v.shape)}; expected one number")
         v = _plain(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None, f"a 'step' of type {type(v).__name__}; expected a number or a one-element tensor"
+        return None, (TypeError, f"a 'step' of type {type(v).__name__}; expected a number or a one-element tensor")
     if not math.isfinite(v) or v < 0 or v != int(v) or v > 2 ** 53:
-        return None, f"step={v!r}; a step count is a whole number from 0 to 2**53"
+        return None, (ValueError, f"step={v!r}; a step count is a whole number from 0 to 2**53")
     return v, None
 
 
@@ -31,7 +31,7 @@ def _step_count(name, v):
     """A state's step as an int, or a clear error."""
     x, why = _step_value(v)
     if why is not None:
-        raise OptfuseError(f"{name}: a parameter's state has {why}")
+        raise OptfuseError(f"{name}: a parameter's state has {why[1]}")
     return int(x)
 
 
@@ -42,8 +42,7 @@ def _check_loaded_steps(name, state_dict):
         if isinstance(st, dict) and "step" in st:
             _, why = _step_value(st["step"])
             if why is not None:
-                raise (TypeError if "type" in why else ValueError)(
-                    f"{name}.load_state_dict: state {pid!r} has {why}")
+                raise why[0](f"{name}.load_state_dict: state {pid!r} has {why[1]}")
 
 
 def _check_grad(name, p, grad, tg, i):
