@@ -11,15 +11,17 @@ cd "$(dirname "$0")/.."
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DOPTFUSE_SANITIZE=address,undefined \
   -DOPTFUSE_PYTHON_EXTENSION=ON -DPython_EXECUTABLE="$(command -v python3)" >/dev/null
-cmake --build build-asan --target _core
+# _torch_reader too (python/CMakeLists.txt builds it where torch is importable, as it is here)
+cmake --build build-asan --target _core --target _torch_reader
 pkg=build-asan/python-package
 rm -rf "$pkg" && mkdir -p "$pkg"
 cp -r python/optfuse "$pkg/optfuse"
-rm -f "$pkg"/optfuse/_core*.so
-cp build-asan/python/_core*.so "$pkg/optfuse/"
+rm -f "$pkg"/optfuse/_core*.so "$pkg"/optfuse/_torch_reader*.so
+cp build-asan/python/_core*.so build-asan/python/_torch_reader*.so "$pkg/optfuse/"
 asan=$(${CXX:-g++} -print-file-name=libasan.so)
 ubsan=$(${CXX:-g++} -print-file-name=libubsan.so)
 PYTHONPATH="$PWD/$pkg" LD_PRELOAD="$asan $ubsan" \
   ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:halt_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  python3 -m pytest -q -p no:cacheprovider tests/python/test_source_of_truth.py tests/python/test_grad_reading.py "$@"
+  OPTFUSE_EXPECT_TORCH_READER=1 python3 -m pytest -q -p no:cacheprovider tests/python/test_source_of_truth.py \
+  tests/python/test_grad_reading.py tests/python/test_torch_reader.py "$@"

@@ -57,10 +57,18 @@ static_assert(sizeof(void*) == 8 && sizeof(Tensor) == 48 && sizeof(Api) == 56, "
 // is not 1, or it lacks the function used here. Looked up once by the caller.
 const Api* find(PyObject* tensor_type);
 
-// The table set by `_set_torch_exchange(torch.Tensor)` (optfuse.torch does so on import); null:
-// none (then callers take the Python method path).
+// A reader of tensors' layouts that needs no Python call: optfuse._torch_reader's (torch_reader.cpp),
+// handed over as a capsule. 0: read; 1: not a tensor it reads (no Python error set).
+using ReadFn = int (*)(PyObject* tensor, Tensor* out);
+
+// What callers read tensors through; null: none (then they take the Python method path). It is
+// torch.Tensor's table set by `_set_torch_exchange(torch.Tensor)` (optfuse.torch does so on import),
+// its tensor read going first through the reader set by `_set_torch_reader` where one is.
 const Api* torch_api();
+const Api* torch_exchange();  // torch's own table alone
+ReadFn torch_reader();        // the reader alone (null: none)
 void set_torch_api(const Api* api);
+void set_torch_reader(ReadFn reader);
 
 // Whether a DLTensor is laid out contiguously (row-major, as torch's is_contiguous(): strides of
 // size-1 dimensions do not matter; an empty tensor is contiguous).

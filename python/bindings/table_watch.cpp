@@ -185,10 +185,12 @@ class TableWatch {
         }
         return 2;
       }
-      if (same(g, was)) continue;
-      if (!same(g, was, true)) return 2;
-      grads_[i] = describe(g);
-      ptrs_[i] = grads_[i].ptr + static_cast<uint64_t>(offsets_[i]);
+      uint64_t ptr = 0;
+      const Match m = match(g, was, &ptr);
+      if (m == Match::same) continue;
+      if (m == Match::different) return 2;
+      grads_[i].ptr = ptr;  // a new gradient of the same layout: only its pointer moved
+      ptrs_[i] = ptr + static_cast<uint64_t>(offsets_[i]);
       result = 1;
     }
     return result;
@@ -279,30 +281,36 @@ class TableWatch {
     return nb::steal(l);
   }
 
-  // Whether tensor t is laid out as `was` says (pointer included unless ignore_pointer), read
-  // without building a TensorLayout (no allocation on the per-step path).
-  bool same(PyObject* t, const TensorLayout& was, bool ignore_pointer = false) {
+  bool same(PyObject* t, const TensorLayout& was) { return match(t, was, nullptr) == Match::same; }
+
+  // How tensor t compares with `was`: the same layout and pointer, the same layout at another
+  // pointer (*ptr_now), or different. Read once, without building a TensorLayout (no allocation on
+  // the per-step path) unless it must be described through Python.
+  enum class Match { same, moved, different };
+  Match match(PyObject* t, const TensorLayout& was, uint64_t* ptr_now) {
     dx::Tensor x;
     if (was.slow.is_valid() || !api_ || api_->dltensor_from_py_object_no_sync(t, &x) != 0) {
       if (api_ && !was.slow.is_valid()) PyErr_Clear();
       TensorLayout now = describe(t);
-      return ignore_pointer ? now.same_but_pointer(was) : now.same(was);
+      if (!now.same_but_pointer(was)) return Match::different;
+      if (ptr_now) *ptr_now = now.ptr;
+      return now.ptr == was.ptr ? Match::same : Match::moved;
     }
-    if (!ignore_pointer && reinterpret_cast<uint64_t>(x.data) + x.byte_offset != was.ptr) return false;
+    const uint64_t ptr = reinterpret_cast<uint64_t>(x.data) + x.byte_offset;
     const uint32_t dtype = uint32_t{x.dtype.code} | uint32_t{x.dtype.bits} << 8 | uint32_t{x.dtype.lanes} << 16;
     if (dtype != was.dtype || x.device.device_type != was.device_type || x.device.device_id != was.device_id ||
         x.ndim != was.ndim)
-      return false;
+      return Match::different;
     int64_t compact = 1;
     for (int32_t k = x.ndim - 1; k >= 0; --k) {
       const int64_t stride = x.strides ? x.strides[k] : compact;
       if (x.shape[k] != was.dims[static_cast<size_t>(k)] || stride != was.dims[static_cast<size_t>(x.ndim + k)])
-        return false;
+        return Match::different;
       compact *= x.shape[k];
     }
-    return true;
+    if (ptr_now) *ptr_now = ptr;
+    return ptr == was.ptr ? Match::same : Match::moved;
   }
-
 
   TensorLayout describe(PyObject* t) {
     TensorLayout d;

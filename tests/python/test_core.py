@@ -62,8 +62,12 @@ def test_explain_is_the_cli_text():
     if os.path.getmtime(cli) < newest:
         pytest.skip("build/optfuse is older than src/ (scripts/build.sh rebuilds it): cannot compare with the CLI")
     for backend in ("cpu", "cuda"):
-        out = subprocess.run([cli, "explain", spec, "--backend", backend], capture_output=True, text=True, check=True)
+        # The CLI prints the plan alone unless --source; explain() includes the source unless source=False.
+        out = subprocess.run([cli, "explain", spec, "--backend", backend, "--source"], capture_output=True, text=True, check=True)
         assert out.stdout == optfuse.explain(spec, backend=backend)
+        out = subprocess.run([cli, "explain", spec, "--backend", backend], capture_output=True, text=True, check=True)
+        hint = f"\n(the generated {backend} source: add --source, or --source-only for it alone)\n"
+        assert out.stdout == optfuse.explain(spec, backend=backend, source=False) + hint
 
 
 def sign_rule():

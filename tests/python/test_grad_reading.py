@@ -9,21 +9,26 @@ import torch
 
 import optfuse.torch as oft
 from optfuse import _core
+from optfuse.torch import _reader
 from conftest import loss_of, make_model, rel_diff, twin
 
 STEPS = 12
 TOL = 1e-6  # float32 on the CPU, as test_torch_parity.py
-HAS_EXCHANGE = _core._set_torch_exchange(torch.Tensor)
+HAS_EXCHANGE = _reader.HAS_DLPACK_EXCHANGE
 
 
-@pytest.fixture(params=["exchange", "methods"])
+@pytest.fixture(params=["reader", "exchange", "methods"])
 def reading(request):
-    """Optimizers built inside the test read gradients the given way; the default is restored after."""
+    """Optimizers built inside the test read tensors the given way: optfuse._torch_reader (then the
+    exchange API for what it leaves), the exchange API alone, or Python method calls; the default is
+    restored after."""
     if request.param == "exchange" and not HAS_EXCHANGE:
         pytest.skip(f"torch {torch.__version__} has no DLPack C exchange API (__dlpack_c_exchange_api__)")
-    assert _core._set_torch_exchange(torch.Tensor if request.param == "exchange" else None) == (request.param == "exchange")
+    if request.param == "reader" and not _reader.HAS_TORCH_READER:
+        pytest.skip(_reader.why_not())
+    assert _reader.read_through(request.param)
     yield request.param
-    _core._set_torch_exchange(torch.Tensor)
+    _reader.read_through("default")
 
 
 def train(model, opt, after_backward=None, set_to_none=True, steps=STEPS):

@@ -28,10 +28,7 @@ import torch
 
 from .. import _core
 from ._dtensor import local
-
-# Gradients are read through torch.Tensor's DLPack C exchange API where torch has it (>= 2.10): a C
-# call per gradient instead of Python method calls (python/bindings/dlpack_exchange.h).
-HAS_DLPACK_EXCHANGE = _core._set_torch_exchange(torch.Tensor)
+from ._reader import HAS_DLPACK_EXCHANGE, HAS_TORCH_READER  # noqa: F401 (installs the readers)
 
 # optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3, torch.float64: 4}
