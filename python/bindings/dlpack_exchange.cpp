@@ -16,13 +16,14 @@ namespace optfuse::py::dlpack_exchange {
 
 namespace {
 const Api* g_exchange = nullptr;  // torch.Tensor's own table (_set_torch_exchange)
-ReadFn g_reader = nullptr;        // optfuse._torch_reader's reader (_set_torch_reader)
+const Reader* g_reader = nullptr; // optfuse._torch_reader's reader (_set_torch_reader)
 Api g_with_reader{};              // g_exchange, its tensor read going through g_reader first
 const Api* g_torch_api = nullptr; // what callers use: g_exchange, &g_with_reader or null
 
 int read_through_reader(void* obj, Tensor* out) {
   // (g_reader may have been taken away since a TableWatch kept this table)
-  if (g_reader && g_reader(static_cast<PyObject*>(obj), out) == 0) return 0;
+  const Reader* r = g_reader;
+  if (r && r->read(static_cast<PyObject*>(obj), out) == 0) return 0;
   if (g_exchange) return g_exchange->dltensor_from_py_object_no_sync(obj, out);
   PyErr_SetString(PyExc_TypeError, "optfuse: the torch reader cannot describe this tensor");
   return -1;
@@ -65,12 +66,12 @@ const Api* find(PyObject* tensor_type) {
 
 const Api* torch_api() { return g_torch_api; }
 const Api* torch_exchange() { return g_exchange; }
-ReadFn torch_reader() { return g_reader; }
+const Reader* torch_reader() { return g_reader; }
 void set_torch_api(const Api* api) {
   g_exchange = api;
   choose_api();
 }
-void set_torch_reader(ReadFn reader) {
+void set_torch_reader(const Reader* reader) {
   g_reader = reader;
   choose_api();
 }
@@ -88,10 +89,11 @@ void bind_dlpack_exchange(nb::module_& m) {
         "Reads gradients through the DLPack C exchange API of tensor_type (torch.Tensor); None: through "
         "Python method calls. Returns whether the API is in use.");
   m.def("_set_torch_reader", [](nb::handle capsule) {
-    dx::ReadFn reader = nullptr;
+    const dx::Reader* reader = nullptr;
     if (!capsule.is_none()) {
-      reader = reinterpret_cast<dx::ReadFn>(PyCapsule_GetPointer(capsule.ptr(), "optfuse.torch_reader"));
+      reader = static_cast<const dx::Reader*>(PyCapsule_GetPointer(capsule.ptr(), "optfuse.torch_reader"));
       if (!reader) throw nb::python_error();
+      if (reader->version != 1) throw Error("optfuse._torch_reader: another version of its interface (rebuild optfuse)");
     }
     dx::set_torch_reader(reader);
   }, "capsule"_a.none(),
@@ -104,7 +106,7 @@ void bind_dlpack_exchange(nb::module_& m) {
   m.def("_read_layout", [](nb::handle tensor, const std::string& source) -> nb::object {
     dx::Tensor x;
     if (source == "reader") {
-      if (!dx::torch_reader() || dx::torch_reader()(tensor.ptr(), &x) != 0) return nb::none();
+      if (!dx::torch_reader() || dx::torch_reader()->read(tensor.ptr(), &x) != 0) return nb::none();
     } else {
       if (source != "current" && source != "exchange") throw Error("_read_layout: source is current, exchange or reader");
       const dx::Api* api = source == "exchange" ? dx::torch_exchange() : dx::torch_api();

@@ -58,17 +58,25 @@ static_assert(sizeof(void*) == 8 && sizeof(Tensor) == 48 && sizeof(Api) == 56, "
 const Api* find(PyObject* tensor_type);
 
 // A reader of tensors' layouts that needs no Python call: optfuse._torch_reader's (torch_reader.cpp),
-// handed over as a capsule. 0: read; 1: not a tensor it reads (no Python error set).
-using ReadFn = int (*)(PyObject* tensor, Tensor* out);
+// handed over as a capsule. None of its functions sets a Python error.
+using ReadFn = int (*)(PyObject* tensor, Tensor* out);  // 0: read; 1: not a tensor it reads
+struct Reader {
+  uint32_t version;  // 1
+  ReadFn read;
+  // param.grad's layout, without torch's .grad getter: 0 read (*hold: a reference keeping the
+  // gradient alive, for drop()); 2 no gradient; 1 not one it reads (ask .grad)
+  int (*read_grad)(PyObject* param, Tensor* out, void** hold);
+  void (*drop)(void* hold);
+};
 
 // What callers read tensors through; null: none (then they take the Python method path). It is
 // torch.Tensor's table set by `_set_torch_exchange(torch.Tensor)` (optfuse.torch does so on import),
 // its tensor read going first through the reader set by `_set_torch_reader` where one is.
 const Api* torch_api();
 const Api* torch_exchange();  // torch's own table alone
-ReadFn torch_reader();        // the reader alone (null: none)
+const Reader* torch_reader();  // the reader alone (null: none)
 void set_torch_api(const Api* api);
-void set_torch_reader(ReadFn reader);
+void set_torch_reader(const Reader* reader);
 
 // Whether a DLTensor is laid out contiguously (row-major, as torch's is_contiguous(): strides of
 // size-1 dimensions do not matter; an empty tensor is contiguous).

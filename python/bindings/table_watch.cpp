@@ -81,6 +81,7 @@ class TableWatch {
     name_device_ = intern("device");
     grads_.resize(params_.size());
     held_.resize(params_.size());
+    held_impls_.resize(params_.size());
     ptrs_.assign(params_.size(), 0);
     snapshot();
   }
@@ -157,12 +158,34 @@ class TableWatch {
       }
     }
     int result = 0;
+    const dx::Reader* reader = api_ ? dx::torch_reader() : nullptr;  // (none where Python describes tensors)
     for (size_t i = 0; i < params_.size(); ++i) {
       if (local_[i]) {  // FSDP2 re-pads a shard after e.g. model.load_state_dict(assign=True): rebuild
         PyObject* lp = get_local(params_[i].ptr());
         if (!lp) throw nb::python_error();
         Py_DECREF(lp);  // (the parameter keeps it alive: only its identity is compared)
         if (lp != param_locals_[i].ptr()) return 2;
+      }
+      const TensorLayout& recorded = grads_[i];
+      if (reader && !local_[i] && !recorded.slow.is_valid() && !recorded.unreadable) {
+        // the gradient read from the parameter's TensorImpl: no Python wrapper made or looked up
+        dx::Tensor x;
+        void* hold = nullptr;
+        const int rc = reader->read_grad(params_[i].ptr(), &x, &hold);
+        if (rc != 1) {
+          held_[i] = nb::object();
+          keep(i, reader, hold);  // (null where there is no gradient)
+          if ((rc == 0) != (recorded.ndim >= 0)) return 2;  // a gradient appeared or vanished
+          if (rc == 2) continue;
+          uint64_t ptr = 0;
+          const Match m = match_layout(x, recorded, &ptr);
+          if (m == Match::same) continue;
+          if (m == Match::different) return 2;
+          grads_[i].ptr = ptr;  // a new gradient of the same layout: only its pointer moved
+          ptrs_[i] = ptr + static_cast<uint64_t>(offsets_[i]);
+          result = 1;
+          continue;
+        }
       }
       PyObject* g = get_grad(params_[i].ptr());
       if (!g) throw nb::python_error();
@@ -173,6 +196,7 @@ class TableWatch {
         g = l;
       }
       nb::object grad = nb::steal(g);
+      keep(i, nullptr, nullptr);
       held_[i] = grad;  // (kept alive until release(): another thread may replace it mid-launch)
       const TensorLayout& was = grads_[i];
       if ((g != Py_None) != (was.ndim >= 0)) return 2;  // a gradient appeared or vanished
@@ -227,7 +251,14 @@ class TableWatch {
   // to `.grad`; after it, a gradient freed by zero_grad is not kept alive by the watch.
   void release() {
     for (nb::object& g : held_) g = nb::object();
+    for (size_t i = 0; i < held_impls_.size(); ++i) keep(i, nullptr, nullptr);
   }
+
+  ~TableWatch() {  // (the gradients' references taken through the reader; the GIL is held here)
+    for (size_t i = 0; i < held_impls_.size(); ++i) keep(i, nullptr, nullptr);
+  }
+  TableWatch(const TableWatch&) = delete;
+  TableWatch& operator=(const TableWatch&) = delete;
 
   const std::vector<uint64_t>& pointers() const { return ptrs_; }
   size_t size() const { return params_.size(); }
@@ -283,6 +314,14 @@ class TableWatch {
 
   bool same(PyObject* t, const TensorLayout& was) { return match(t, was, nullptr) == Match::same; }
 
+  // Parameter i's gradient as read through `reader` (hold: its reference, null for none), kept until
+  // release() or the next read; the reference held before is dropped.
+  void keep(size_t i, const dx::Reader* reader, void* hold) {
+    HeldImpl& h = held_impls_[i];
+    if (h.hold) h.reader->drop(h.hold);
+    h = {reader, hold};
+  }
+
   // How tensor t compares with `was`: the same layout and pointer, the same layout at another
   // pointer (*ptr_now), or different. Read once, without building a TensorLayout (no allocation on
   // the per-step path) unless it must be described through Python.
@@ -296,6 +335,10 @@ class TableWatch {
       if (ptr_now) *ptr_now = now.ptr;
       return now.ptr == was.ptr ? Match::same : Match::moved;
     }
+    return match_layout(x, was, ptr_now);
+  }
+
+  static Match match_layout(const dx::Tensor& x, const TensorLayout& was, uint64_t* ptr_now) {
     const uint64_t ptr = reinterpret_cast<uint64_t>(x.data) + x.byte_offset;
     const uint32_t dtype = uint32_t{x.dtype.code} | uint32_t{x.dtype.bits} << 8 | uint32_t{x.dtype.lanes} << 16;
     if (dtype != was.dtype || x.device.device_type != was.device_type || x.device.device_id != was.device_id ||
@@ -371,6 +414,11 @@ class TableWatch {
   std::vector<TensorLayout> grads_;  // per parameter: its gradient at snapshot() (ndim -1: none)
   std::vector<uint64_t> ptrs_;       // per parameter: its gradient's pointer (+ offset) for the tables
   std::vector<nb::object> held_;     // per parameter: the gradient last read, until release()
+  struct HeldImpl {
+    const dx::Reader* reader = nullptr;
+    void* hold = nullptr;
+  };
+  std::vector<HeldImpl> held_impls_;  // per parameter: the same, where read through the reader
   std::vector<Entry> entries_;       // per table entry: the parameter and states it steps
   nb::object state_;                 // opt.state when the tables were built
   const dx::Api* api_;               // null: Python descriptions

@@ -14,9 +14,10 @@
 // dtypes) answers "not mine", and the caller asks the exchange API. It links libc10 only, which
 // torch has loaded by the time optfuse.torch imports this module.
 //
-// The interface is C: a PyCapsule "optfuse.torch_reader" holding a `ReadFn` (int (PyObject*,
-// DLTensor-shaped struct*): 0 read, 1 not mine; never a Python error), so that optfuse._core,
-// built without torch, calls it directly. The struct is DLPack's DLTensor (dlpack_exchange.h).
+// The interface is C: a PyCapsule "optfuse.torch_reader" holding a `dlpack_exchange::Reader` (a
+// tensor's layout, a parameter's gradient's layout with a reference that keeps it alive, and the
+// release of that reference; never a Python error), so that optfuse._core, built without torch,
+// calls it directly. Layouts are DLPack's DLTensor (dlpack_exchange.h).
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -64,47 +65,80 @@ const c10::DispatchKeySet& plain_keys() {
   return keys;
 }
 
-int read(PyObject* obj, dx::Tensor* out) noexcept {
+// The layout of a TensorImpl, where it is a plain dense strided CPU or CUDA tensor (0), else 1.
+int read_impl(const c10::TensorImpl* impl, dx::Tensor* out) {
+  if (!impl) return 1;
+  // (raw bits: DispatchKeySet's operator- keeps the backend bits)
+  if (impl->key_set().raw_repr() & ~plain_keys().raw_repr()) return 1;
+  if (impl->has_symbolic_sizes_strides() || !impl->dtype_initialized()) return 1;
+  // storage(), not the out-of-line has_storage(): the plain tensors admitted above keep theirs in
+  // storage_ (storage() throws where access is refused: caught by the callers)
+  const c10::Storage& storage = impl->storage();
+  if (!storage) return 1;
+  const c10::Device device = impl->device();
+  int32_t device_type;
+  if (device.is_cpu())
+    device_type = 1;  // kDLCPU
+  else if (device.is_cuda())
+    device_type = 2;  // kDLCUDA
+  else
+    return 1;
+  const dx::DataType dtype = dlpack_dtype(impl->dtype().toScalarType());
+  if (dtype.bits == 0) return 1;
+  if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return 1;  // (a write must materialize it)
+  const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+  // TensorImpl::data()'s answer (null for an empty tensor, as data_ptr()) without its out-of-line
+  // has_storage() call
+  out->data = impl->numel() == 0 ? nullptr
+                                 : const_cast<char*>(static_cast<const char*>(storage.data())) +
+                                       impl->itemsize() * static_cast<size_t>(impl->storage_offset());
+  out->byte_offset = 0;
+  out->device = {device_type, device_type == 1 ? 0 : static_cast<int32_t>(device.index())};
+  out->ndim = static_cast<int32_t>(sizes.size());
+  out->dtype = dtype;
+  out->shape = const_cast<int64_t*>(sizes.data());
+  out->strides = const_cast<int64_t*>(strides.data());
+  return 0;
+}
+
+const c10::TensorImpl* impl_of(PyObject* obj) {
   PyTypeObject* type = Py_TYPE(obj);
-  if (type != g_types[0] && type != g_types[1]) return 1;
+  if (type != g_types[0] && type != g_types[1]) return nullptr;
+  return THPVariable_Unpack(obj).unsafeGetTensorImpl();
+}
+
+int read(PyObject* obj, dx::Tensor* out) noexcept {
   try {
-    const c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
-    if (!impl) return 1;
-    // (raw bits: DispatchKeySet's operator- keeps the backend bits)
-    if (impl->key_set().raw_repr() & ~plain_keys().raw_repr()) return 1;
-    if (impl->has_symbolic_sizes_strides() || !impl->dtype_initialized()) return 1;
-    // storage(), not the out-of-line has_storage(): the plain tensors admitted above keep theirs in
-    // storage_ (storage() throws where access is refused: caught below)
-    const c10::Storage& storage = impl->storage();
-    if (!storage) return 1;
-    const c10::Device device = impl->device();
-    int32_t device_type;
-    if (device.is_cpu())
-      device_type = 1;  // kDLCPU
-    else if (device.is_cuda())
-      device_type = 2;  // kDLCUDA
-    else
-      return 1;
-    const dx::DataType dtype = dlpack_dtype(impl->dtype().toScalarType());
-    if (dtype.bits == 0) return 1;
-    if (c10::impl::cow::is_cow_data_ptr(storage.data_ptr())) return 1;  // (a write must materialize it)
-    const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
-    // TensorImpl::data()'s answer (null for an empty tensor, as data_ptr()) without its out-of-line
-    // has_storage() call
-    out->data = impl->numel() == 0 ? nullptr
-                                   : const_cast<char*>(static_cast<const char*>(storage.data())) +
-                                         impl->itemsize() * static_cast<size_t>(impl->storage_offset());
-    out->byte_offset = 0;
-    out->device = {device_type, device_type == 1 ? 0 : static_cast<int32_t>(device.index())};
-    out->ndim = static_cast<int32_t>(sizes.size());
-    out->dtype = dtype;
-    out->shape = const_cast<int64_t*>(sizes.data());
-    out->strides = const_cast<int64_t*>(strides.data());
-    return 0;
-  } catch (...) {  // (none expected for the tensors admitted above; never a crash or a Python error)
+    return read_impl(impl_of(obj), out);
+  } catch (...) {  // (none expected for the tensors admitted; never a crash or a Python error)
     return 1;
   }
 }
+
+// param.grad's layout read from the parameter's TensorImpl, without torch's `.grad` getter (which
+// makes a Python wrapper for every gradient backward created: an allocation per parameter and
+// step). 0: read, and *hold is a reference to the gradient's TensorImpl, to be given to drop()
+// once the launch that reads it is done (another thread may replace `.grad` meanwhile); 2: the
+// parameter has no gradient; 1: not mine (the caller asks `.grad`).
+int read_grad(PyObject* param, dx::Tensor* out, void** hold) noexcept {
+  try {
+    const c10::TensorImpl* impl = impl_of(param);
+    if (!impl) return 1;
+    const at::Tensor& grad = impl->grad();
+    if (!grad.defined()) return 2;
+    c10::TensorImpl* g = grad.unsafeGetTensorImpl();
+    if (read_impl(g, out) != 0) return 1;
+    c10::raw::intrusive_ptr::incref(g);
+    *hold = g;
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+void drop(void* hold) noexcept { c10::raw::intrusive_ptr::decref(static_cast<c10::TensorImpl*>(hold)); }
+
+const dx::Reader g_reader = {1, &read, &read_grad, &drop};
 
 PyObject* install(PyObject*, PyObject* args) {
   PyObject *tensor_type, *parameter_type;
@@ -113,7 +147,7 @@ PyObject* install(PyObject*, PyObject* args) {
   g_types[1] = reinterpret_cast<PyTypeObject*>(parameter_type);
   Py_INCREF(tensor_type);  // (kept for the process: the types outlive every tensor read)
   Py_INCREF(parameter_type);
-  return PyCapsule_New(reinterpret_cast<void*>(&read), "optfuse.torch_reader", nullptr);
+  return PyCapsule_New(const_cast<dx::Reader*>(&g_reader), "optfuse.torch_reader", nullptr);
 }
 
 PyMethodDef methods[] = {
