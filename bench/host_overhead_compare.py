@@ -5,7 +5,7 @@ workload, the minimum and the median over rounds of the per-round medians, and t
 minima (new / old).
 
   python3 bench/host_overhead_compare.py --old /tmp/oldsite --new python [--rounds 6]
-      [--workloads gpt2-small,many-small] [--steps 300] [--env-new OPTFUSE_TORCH_READER=0]
+      [--workloads gpt2-small,many-small] [--steps 300] [--env-new OPTFUSE_TORCH_READER=0] [--backward]
 
 --old / --new: folders holding an importable `optfuse` (an install's --target folder, or python/ of
 a tree whose extension is built there). --env-new K=V: an environment setting for the new build
@@ -22,11 +22,12 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def one_round(path, workloads, steps, extra_env):
+def one_round(path, workloads, steps, extra_env, extra_args):
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = dict(os.environ, PYTHONPATH=os.path.abspath(path), **extra_env)
         subprocess.run([sys.executable, os.path.join(HERE, "host_overhead_cpu.py"), "--workloads", workloads,
-                        "--steps", str(steps), "--json", f.name], check=True, env=env, stdout=subprocess.DEVNULL)
+                        "--steps", str(steps), "--json", f.name] + extra_args, check=True, env=env,
+                       stdout=subprocess.DEVNULL)
         return {r["workload"]: r["host_us"] for r in json.load(open(f.name))["results"]}
 
 
@@ -38,12 +39,14 @@ def main():
     ap.add_argument("--workloads", default="gpt2-small,many-small")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--env-new", action="append", default=[])
+    ap.add_argument("--backward", action="store_true", help="host_overhead_cpu.py --backward (autograd's gradients)")
     a = ap.parse_args()
     env_new = dict(kv.split("=", 1) for kv in a.env_new)
     runs = {"old": [], "new": []}
     for r in range(a.rounds):
-        runs["old"].append(one_round(a.old, a.workloads, a.steps, {}))
-        runs["new"].append(one_round(a.new, a.workloads, a.steps, env_new))
+        extra = ["--backward"] if a.backward else []
+        runs["old"].append(one_round(a.old, a.workloads, a.steps, {}, extra))
+        runs["new"].append(one_round(a.new, a.workloads, a.steps, env_new, extra))
         print(f"round {r + 1}: old {runs['old'][-1]}  new {runs['new'][-1]}", flush=True)
     for w in a.workloads.split(","):
         lo = {k: min(x[w] for x in v) for k, v in runs.items()}

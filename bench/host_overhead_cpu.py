@@ -6,7 +6,8 @@ measured is the optimizer's own per-step work: reading torch's state (the per-st
 parameter, gradient and state tensor), pushing hyperparameters, the launch and its bookkeeping.
 
 Run it once per build to compare two builds in one session (e.g. PYTHONPATH of an older install):
-  python3 bench/host_overhead_cpu.py [--workloads gpt2-small,many-small] [--steps 300] [--json out.json]
+  python3 bench/host_overhead_cpu.py [--workloads gpt2-small,many-small] [--steps 300] [--backward]
+      [--json out.json]
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
 
 
-def measure(n_tensors, elements, steps, warmup, optimizer):
+def measure(n_tensors, elements, steps, warmup, optimizer, backward=False):
     import optfuse.torch as oft
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(elements)) for _ in range(n_tensors)]
@@ -33,8 +34,11 @@ def measure(n_tensors, elements, steps, warmup, optimizer):
     times = []
     for s in range(warmup + steps):
         opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, sets[s % 2]):
-            p.grad = g.view_as(g)  # a new tensor object over the same memory
+        if backward:  # gradients made by autograd, as in training: no Python object until .grad is read
+            sum((p * p).sum() for p in params).backward()
+        else:
+            for p, g in zip(params, sets[s % 2]):
+                p.grad = g.view_as(g)  # a new tensor object over the same memory
         t0 = time.perf_counter_ns()
         opt.step()
         t1 = time.perf_counter_ns()
@@ -50,6 +54,8 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--torch", action="store_true", help="also torch.optim.AdamW(foreach=True)")
+    ap.add_argument("--backward", action="store_true",
+                    help="gradients from backward() of sum(p*p) each step, not assigned from Python")
     ap.add_argument("--json")
     a = ap.parse_args()
     import optfuse
@@ -57,7 +63,7 @@ def main():
     for name in a.workloads.split(","):
         n = len(workload_shapes.shapes(name))
         for opt in ["optfuse"] + (["torch foreach"] if a.torch else []):
-            us = measure(n, a.elements, a.steps, a.warmup, opt)
+            us = measure(n, a.elements, a.steps, a.warmup, opt, a.backward)
             out["results"].append({"workload": name, "tensors": n, "optimizer": opt, "host_us": us})
             print(f"{name:12s} {n:5d} tensors  {opt:14s} {us:9.1f} us/step (median of {a.steps})")
     if a.json:
