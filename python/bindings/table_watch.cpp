@@ -12,9 +12,11 @@
 //   2  anything else: a parameter or state changed in any way, a gradient appeared, vanished or
 //      changed its dtype, shape or strides, a DTensor's local tensor changed: the caller rebuilds
 //      the tables from torch's objects (and refuses there what the kernels cannot step).
-// Reading a tensor: torch.Tensor's DLPack C exchange API (dlpack_exchange.h; torch >= 2.10) in one
-// C call of some tens of nanoseconds, or, without it (or for a tensor it cannot describe), its
-// data_ptr() and a Python tuple (shape, stride(), dtype, device).
+// Reading a tensor: through dlpack_exchange::torch_api(), i.e. optfuse._torch_reader where it is in
+// use (torch_reader.cpp: the TensorImpl's fields, a few nanoseconds; a parameter's gradient read
+// from the parameter's TensorImpl, no `.grad` wrapper made), else torch.Tensor's DLPack C exchange
+// API (torch >= 2.10, about 100 ns a call), or, without it (or for a tensor neither can describe),
+// its data_ptr() and a Python tuple (shape, stride(), dtype, device).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 

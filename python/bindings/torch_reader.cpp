@@ -45,6 +45,7 @@ dx::DataType dlpack_dtype(c10::ScalarType t) {
     case c10::ScalarType::BFloat16: return {4, 16, 1};
     case c10::ScalarType::ComplexFloat: return {5, 64, 1};
     case c10::ScalarType::ComplexDouble: return {5, 128, 1};
+    case c10::ScalarType::Short: return {0, 16, 1};  // (master-weight remainder states)
     case c10::ScalarType::Int: return {0, 32, 1};
     case c10::ScalarType::Long: return {0, 64, 1};
     case c10::ScalarType::Char: return {0, 8, 1};

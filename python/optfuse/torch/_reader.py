@@ -23,7 +23,8 @@ HAS_DLPACK_EXCHANGE = _core._set_torch_exchange(torch.Tensor)
 # 2, kDLBfloat 4, kDLComplex 5, kDLBool 6), to compare with torch's answer where there is no
 # exchange API to ask.
 _DLPACK_DTYPES = {torch.float32: (2, 32), torch.float64: (2, 64), torch.float16: (2, 16), torch.bfloat16: (4, 16),
-                  torch.complex64: (5, 64), torch.complex128: (5, 128), torch.int32: (0, 32), torch.int64: (0, 64),
+                  torch.complex64: (5, 64), torch.complex128: (5, 128), torch.int16: (0, 16), torch.int32: (0, 32),
+                  torch.int64: (0, 64),
                   torch.int8: (0, 8), torch.uint8: (1, 8), torch.bool: (6, 8)}
 
 
