@@ -180,12 +180,8 @@ class TableWatch {
           if ((rc == 0) != (recorded.ndim >= 0)) return 2;  // a gradient appeared or vanished
           if (rc == 2) continue;
           uint64_t ptr = 0;
-          const Match m = match_layout(x, recorded, &ptr);
-          if (m == Match::same) continue;
-          if (m == Match::different) return 2;
-          grads_[i].ptr = ptr;  // a new gradient of the same layout: only its pointer moved
-          ptrs_[i] = ptr + static_cast<uint64_t>(offsets_[i]);
-          result = 1;
+          const Match m = match_layout(x, recorded, &ptr);  // (before ptr is read: argument order is unspecified)
+          if (!take_gradient(i, m, ptr, result)) return 2;
           continue;
         }
       }
@@ -213,11 +209,7 @@ class TableWatch {
       }
       uint64_t ptr = 0;
       const Match m = match(g, was, &ptr);
-      if (m == Match::same) continue;
-      if (m == Match::different) return 2;
-      grads_[i].ptr = ptr;  // a new gradient of the same layout: only its pointer moved
-      ptrs_[i] = ptr + static_cast<uint64_t>(offsets_[i]);
-      result = 1;
+      if (!take_gradient(i, m, ptr, result)) return 2;
     }
     return result;
   }
@@ -316,6 +308,20 @@ class TableWatch {
 
   bool same(PyObject* t, const TensorLayout& was) { return match(t, was, nullptr) == Match::same; }
 
+  enum class Match { same, moved, different };  // (match(): a tensor against its recorded layout)
+
+  // Parameter i's gradient as compared with the one the tables hold: false where they must be
+  // rebuilt; a new gradient of the same layout (only its pointer moved) is taken, and result is 1.
+  bool take_gradient(size_t i, Match m, uint64_t ptr, int& result) {
+    if (m == Match::different) return false;
+    if (m == Match::moved) {
+      grads_[i].ptr = ptr;
+      ptrs_[i] = ptr + static_cast<uint64_t>(offsets_[i]);
+      result = 1;
+    }
+    return true;
+  }
+
   // Parameter i's gradient as read through `reader` (hold: its reference, null for none), kept until
   // release() or the next read; the reference held before is dropped.
   void keep(size_t i, const dx::Reader* reader, void* hold) {
@@ -327,7 +333,6 @@ class TableWatch {
   // How tensor t compares with `was`: the same layout and pointer, the same layout at another
   // pointer (*ptr_now), or different. Read once, without building a TensorLayout (no allocation on
   // the per-step path) unless it must be described through Python.
-  enum class Match { same, moved, different };
   Match match(PyObject* t, const TensorLayout& was, uint64_t* ptr_now) {
     dx::Tensor x;
     if (was.slow.is_valid() || !api_ || api_->dltensor_from_py_object_no_sync(t, &x) != 0) {
