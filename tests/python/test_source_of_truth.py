@@ -398,12 +398,12 @@ def test_two_threads_never_crash():
             continue
         assert r.returncode < 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])  # an exception: optfuse's
         torch_runs = []
-        for _ in range(3):
+        for _ in range(5):  # (torch crashed in 10 of 15 such runs: 5 miss it with probability ~0.4%)
             torch_runs.append(_run_threads("torch", 2000).returncode)
             if torch_runs[-1] < 0:
                 pytest.skip(f"torch {torch.__version__} itself crashes in this scenario (torch.optim.Adam, 2000 steps: "
                             f"signal {-torch_runs[-1]}); optfuse's run of 200 steps ended with signal {-r.returncode}")
-        pytest.fail(f"optfuse crashed (signal {-r.returncode}) where torch.optim.Adam survived 3 runs of 2000 steps "
+        pytest.fail(f"optfuse crashed (signal {-r.returncode}) where torch.optim.Adam survived 5 runs of 2000 steps "
                     f"(return codes {torch_runs}): {r.stderr[-2000:]}")
 
 
