@@ -24,4 +24,6 @@ PYTHONPATH="$PWD/$pkg" LD_PRELOAD="$asan $ubsan" \
   ASAN_OPTIONS=detect_leaks=0:protect_shadow_gap=0:halt_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   OPTFUSE_EXPECT_TORCH_READER=1 python3 -m pytest -q -p no:cacheprovider tests/python/test_source_of_truth.py \
-  tests/python/test_grad_reading.py tests/python/test_torch_reader.py "$@"
+  tests/python/test_grad_reading.py tests/python/test_torch_reader.py -k "not two_threads_never_crash" "$@"
+# (the threads test is left out here: its reference scenario crashes inside torch 2.15 itself, which
+# under ASan ends in a report, not in the signal that test tells torch's crashes by)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test: sets up, builds, runs the C++ suites (ctest), the same suites under ASan/UBSan
 # (build-asan), the install check (an outside project using find_package(optfuse)), then installs
-# the Python package and runs pytest. Tests that need a GPU skip with a reason where there is none.
+# the Python package and runs pytest, then the front end's pointer cases under the sanitizers
+# (scripts/asan_python.sh). Tests that need a GPU skip with a reason where there is none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # CMake finds the CUDA toolkit (headers for types, NVRTC) through nvcc on PATH.
@@ -27,3 +28,6 @@ python3 -m pip install -q --no-build-isolation .
 # -rs: every skipped test with its reason in the summary.
 # The build above had torch importable: optfuse._torch_reader must be there (test_torch_reader.py).
 OPTFUSE_EXPECT_TORCH_READER=1 python3 -m pytest -q -rs tests/python
+# The torch front end's pointer and size cases again, with the extension and the tensor reader built
+# with ASan/UBSan in build-asan (a report fails the run).
+scripts/asan_python.sh
