@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import optfuse.torch as oft
-from optfuse import _core
 from optfuse.torch import _reader
 from conftest import loss_of, make_model, rel_diff, twin
 

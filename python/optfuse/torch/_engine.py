@@ -28,7 +28,7 @@ import torch
 
 from .. import _core
 from ._dtensor import local
-from ._reader import HAS_DLPACK_EXCHANGE, HAS_TORCH_READER  # noqa: F401 (installs the readers)
+from . import _reader  # noqa: F401 (importing it installs the tensor readers)
 
 # optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3, torch.float64: 4}
