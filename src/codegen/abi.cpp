@@ -48,7 +48,11 @@ std::string layout_source(const Plan& plan) {
 }
 
 std::string abi_source() {
-  return R"(
+  // q8 storage (optfuse/dtype.h): the block size and where a buffer's scales start.
+  const std::string q8 = "\n#define OF_Q8_BLOCK " + std::to_string(kQ8Block) + "\n#define OF_Q8_ALIGN " +
+                         std::to_string(kQ8ScalesAlign) +
+                         "\nOF_FN long long of_q8_scales_offset(long long n) { return (n + OF_Q8_ALIGN - 1) / OF_Q8_ALIGN * OF_Q8_ALIGN; }\n";
+  return q8 + R"(
 // Shared with the runtime (codegen/abi.h): tensor-table rows are plain 64-bit words.
 struct OfTensor {
   void* ptr[OF_ROLES]; long long numel; int group; int variant; int first_chunk; int num_chunks;
@@ -119,6 +123,12 @@ std::string describe_variant(const StorageVariant& v, const std::vector<std::str
     if (v[r].stochastic) s += " (stochastic)";
   }
   return s;
+}
+
+bool variant_has_q8(const StorageVariant& v) {
+  for (const RoleStorage& r : v)
+    if (r.dtype == DType::q8) return true;
+  return false;
 }
 
 bool variant_computes_f64(const StorageVariant& v) {

@@ -44,6 +44,8 @@ bool variant_runs_states_ahead(const Plan& plan, const StorageVariant& v);
 // float64: where some role is float64, as torch computes in a float64 parameter's dtype. A pass
 // mixing tensors of both kinds runs each tensor's chunks in its own variant's precision.
 bool variant_computes_f64(const StorageVariant& v);
+// Whether some role of the variant is q8 (block-quantized): its loops then run a block at a time.
+bool variant_has_q8(const StorageVariant& v);
 bool any_variant_computes_f64(const std::vector<StorageVariant>& variants);
 
 // Needs OF_ROLES and OF_FN (the printer's common source) defined before it.

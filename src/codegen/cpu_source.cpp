@@ -20,6 +20,7 @@ const char* storage_type(DType d) {
     case DType::bf16: return "of_bfloat";
     case DType::i16: return "of_i16";
     case DType::f64: return "double";
+    case DType::q8: return "signed char";  // the codes; the block scales are a float pointer beside them
   }
   return "?";
 }
@@ -125,6 +126,73 @@ std::string prefetch_block(const PhaseRoles& pr, const StorageVariant& var, cons
   return s.str();
 }
 
+// The loop of a variant with q8 roles (optfuse/dtype.h): a block of OF_Q8_BLOCK elements at a time
+// (chunks start at multiples of it). A q8 role is read as its code times the block's scale from
+// before the step, and written by keeping the block's new values, then folding their scale and
+// encoding them once the block is done. Reductions go to lane i % OF_LANES, as in the other loop,
+// so a pass's sums do not depend on how its tensors are stored.
+std::string q8_run_body(const Plan& plan, const ElementPhase& ph, const PhaseRoles& rr, const StorageVariant& var,
+                        const std::vector<std::string>& roles, const std::string& element_fn, const std::string& T) {
+  const size_t nred = ph.reductions.size();
+  auto q8 = [&](int r) { return var[static_cast<size_t>(r)].dtype == DType::q8; };
+  auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
+  std::ostringstream s;
+  s << "  (void)block; (void)i;\n";
+  if (nred) s << "  double lane[" << nred << "][OF_LANES] = {};\n";
+  s << "  for (int b0 = 0; b0 < len; b0 += OF_Q8_BLOCK) {\n"
+    << "    const int bn = len - b0 < OF_Q8_BLOCK ? len - b0 : OF_Q8_BLOCK;\n";
+  for (int r : rr.read)
+    if (q8(r)) s << "    const float " << nm(r) << "_os = " << nm(r) << "_s[b0 / OF_Q8_BLOCK];  // the block's scale before the step\n";
+  for (int r : rr.write)
+    if (q8(r)) s << "    " << T << " " << nm(r) << "_nv[OF_Q8_BLOCK];  // the block's new values\n";
+  s << "    for (int j = 0; j < bn; ++j) {\n      const int e = b0 + j;\n      " << T << " v[OF_ROLES];\n";
+  for (int r : rr.read) {
+    if (q8(r))
+      s << "      v[" << r << "] = (" << T << ")of_q8_decode(" << nm(r) << "_p[e], " << nm(r) << "_os);\n";
+    else
+      s << "      v[" << r << "] = of_ld(" << nm(r) << "_p, e);\n";
+  }
+  if (nred) {
+    s << "      double a[" << nred << "];\n";
+    for (size_t q = 0; q < nred; ++q) s << "      a[" << q << "] = lane[" << q << "][e % OF_LANES];\n";
+    s << "      " << element_fn << "(v, u, a);\n";
+    for (size_t q = 0; q < nred; ++q) s << "      lane[" << q << "][e % OF_LANES] = a[" << q << "];\n";
+  } else {
+    s << "      double unused[1] = {0.0};\n      " << element_fn << "(v, u, unused);\n";
+  }
+  for (int r : rr.write) {
+    if (q8(r))
+      s << "      " << nm(r) << "_nv[j] = v[" << r << "];\n";
+    else if (var[static_cast<size_t>(r)].stochastic)
+      s << "      of_st_sr(" << nm(r) << "_p, e, v[" << r << "], of_rng_bits(rng, (unsigned long long)(first_elem + e), " << r << "));\n";
+    else
+      s << "      of_st(" << nm(r) << "_p, e, v[" << r << "]);\n";
+  }
+  s << "    }\n";
+  for (int r : rr.write) {
+    if (!q8(r)) continue;
+    const std::string n = nm(r);
+    s << "    {\n      float scale = 0.0f;\n"
+      << "      for (int j = 0; j < bn; ++j) scale = of_q8_fold_scale(scale, (float)" << n << "_nv[j]);\n"
+      << "      " << n << "_s[b0 / OF_Q8_BLOCK] = scale;\n"
+      << "      for (int j = 0; j < bn; ++j) " << n << "_p[b0 + j] = (signed char)of_q8_encode((float)" << n << "_nv[j], scale);\n"
+      << "    }\n";
+  }
+  s << "  }\n";
+  for (size_t q = 0; q < nred; ++q) {
+    const Op op = plan.program.graph.node(ph.reductions[q]).op;
+    const std::string lane = "lane[" + std::to_string(q) + "][j]";
+    s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
+      << (op == Op::AnyNonFinite ? "if (" + lane + " != 0.0) total = 1.0;\n"
+          : op == Op::MaxAbs     ? "total = of_max(total, " + lane + ");\n"
+                                 : "total += " + lane + ";\n")
+      << "    acc[" << q << "] = total;\n  }\n";
+  }
+  if (!nred) s << "  (void)acc;\n";
+  s << "}\n";
+  return s.str();
+}
+
 // Phase i's loops for storage variant k: of_phase<i>_v<k>_run (restrict-qualified pointer
 // parameters) and of_phase<i>_v<k>_chunk (one chunk of one tensor).
 std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const StorageVariant& var,
@@ -148,11 +216,16 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   s << "\n// Phase " << i << ", variant " << k << ": " << describe_variant(var, roles) << "\n"
     << "static inline void " << fn << "_run(int len, const " << T << "* __restrict u, double* __restrict acc, "
     << "unsigned long long rng, long long first_elem";
-  for (int r : rr.used)
+  const bool q8 = variant_has_q8(var);
+  for (int r : rr.used) {
     s << ", " << storage_type(var[static_cast<size_t>(r)].dtype) << "* __restrict " << roles[static_cast<size_t>(r)] << "_p";
+    if (var[static_cast<size_t>(r)].dtype == DType::q8) s << ", float* __restrict " << roles[static_cast<size_t>(r)] << "_s";
+  }
   s << ") {\n  const int block = " << kPrefetchBlock / widest << ";  // elements per prefetch block\n"
     << "  int i = 0;\n  (void)rng; (void)first_elem;\n";
-  if (nred == 0) {
+  if (q8) {
+    s << q8_run_body(plan, ph, rr, var, roles, element_fn, T);
+  } else if (nred == 0) {
     s << "  double unused[1] = {0.0};\n"
       << "  while (i + block <= len) {\n" << prefetch_block(rr, var, roles, "    ")
       << "    for (const int e = i + block; i < e; ++i) {\n"
@@ -210,7 +283,11 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
   else
     s << "  const unsigned long long rng = 0;\n";
   s << "  " << fn << "_run(len, u, acc, rng, t.rng_offset + begin";
-  for (int r : rr.used) s << ", (" << storage_type(var[static_cast<size_t>(r)].dtype) << "*)t.ptr[" << r << "] + begin";
+  for (int r : rr.used) {
+    s << ", (" << storage_type(var[static_cast<size_t>(r)].dtype) << "*)t.ptr[" << r << "] + begin";
+    if (var[static_cast<size_t>(r)].dtype == DType::q8)  // (chunks start at multiples of OF_Q8_BLOCK)
+      s << ", (float*)((char*)t.ptr[" << r << "] + of_q8_scales_offset(t.numel)) + begin / OF_Q8_BLOCK";
+  }
   s << ");\n}\n";
   return s.str();
 }

@@ -303,6 +303,76 @@ bool writes_stochastically(const CudaPhaseRoles& pr, const StorageVariant& v) {
   return false;
 }
 
+// The chunk loop of a variant with q8 roles (optfuse/dtype.h): each warp takes whole blocks of
+// OF_Q8_BLOCK elements (chunks start at multiples of it), each lane every 32nd element of the block.
+// A q8 role is read as its code times the block's scale from before the step; its new values stay
+// in registers until the block is done, then the warp folds their scale (a max: exact in any
+// order) and encodes them. Lane 0 writes the scale after the shuffles, which every lane reaches
+// only after reading the old one.
+std::string q8_chunk_body(const Plan& plan, const ElementPhase& ph, const CudaPhaseRoles& pr, const StorageVariant& var,
+                          const std::vector<std::string>& roles, const std::string& element_fn, const std::string& T,
+                          const std::string& d) {
+  (void)plan; (void)ph;
+  auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
+  auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
+  auto q8 = [&](int r) { return var[static_cast<size_t>(r)].dtype == DType::q8; };
+  auto type = [&](int r) {
+    return q8(r) ? std::string("signed char") : dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
+  };
+  std::ostringstream s;
+  s << "  (void)rng; (void)grad;\n"
+    << "  const unsigned long long rng_first = (unsigned long long)(t.rng_offset + begin);  // the chunk's first element in the tensor\n"
+    << "  (void)rng_first;\n";
+  for (int r : pr.used) {
+    s << "  " << type(r) << "* __restrict__ " << nm(r) << "_p = (" << type(r) << "*)"
+      << (r == 1 ? std::string("grad") : "t.ptr[" + std::to_string(r) + "]") << " + begin;\n";
+    if (q8(r))
+      s << "  float* __restrict__ " << nm(r) << "_s = (float*)((char*)t.ptr[" << r
+        << "] + of_q8_scales_offset(t.numel)) + begin / OF_Q8_BLOCK;\n";
+  }
+  s << "  const int lane = threadIdx.x & 31;\n"
+    << "  for (int b0 = (threadIdx.x >> 5) * OF_Q8_BLOCK; b0 < len; b0 += (OF_THREADS / 32) * OF_Q8_BLOCK) {\n"
+    << "    const int bn = len - b0 < OF_Q8_BLOCK ? len - b0 : OF_Q8_BLOCK;\n";
+  for (int r : pr.reads)
+    if (q8(r)) s << "    const float " << nm(r) << "_os = " << nm(r) << "_s[b0 / OF_Q8_BLOCK];\n";
+  for (int r : pr.writes)
+    if (q8(r)) s << "    " << T << " " << nm(r) << "_nv[OF_Q8_BLOCK / 32];\n";
+  s << "    #pragma unroll\n    for (int k = 0; k < OF_Q8_BLOCK / 32; ++k) {\n"
+    << "      const int j = lane + 32 * k;\n";
+  for (int r : pr.writes)
+    if (q8(r)) s << "      " << nm(r) << "_nv[k] = 0;\n";
+  s << "      if (j < bn) {\n        const int e = b0 + j;\n        " << T << " v[OF_ROLES];\n";
+  for (int r : pr.reads) {
+    if (q8(r))
+      s << "        v[" << r << "] = (" << T << ")of_q8_decode(" << nm(r) << "_p[e], " << nm(r) << "_os);\n";
+    else
+      s << "        v[" << r << "] = of_load1" << d << (pr.read_only(r) ? "_ro" : "") << "<" << dt(r) << ">(" << nm(r) << "_p + e);\n";
+  }
+  s << "        " << element_fn << "(v, u, acc);\n";
+  for (int r : pr.writes) {
+    if (q8(r))
+      s << "        " << nm(r) << "_nv[k] = v[" << r << "];\n";
+    else if (var[static_cast<size_t>(r)].stochastic)
+      s << "        of_store1" << d << "_sr<" << dt(r) << ">(" << nm(r) << "_p + e, v[" << r << "], of_rng_bits(rng, rng_first + (unsigned long long)e, " << r << "));\n";
+    else
+      s << "        of_store1" << d << "<" << dt(r) << ">(" << nm(r) << "_p + e, v[" << r << "]);\n";
+  }
+  s << "      }\n    }\n";
+  for (int r : pr.writes) {
+    if (!q8(r)) continue;
+    const std::string n = nm(r);
+    s << "    {\n      float scale = 0.0f;\n"
+      << "      #pragma unroll\n      for (int k = 0; k < OF_Q8_BLOCK / 32; ++k) scale = of_q8_fold_scale(scale, (float)" << n << "_nv[k]);\n"
+      << "      for (int o = 16; o > 0; o >>= 1) scale = fmaxf(scale, __shfl_xor_sync(0xffffffffu, scale, o));\n"
+      << "      if (lane == 0) " << n << "_s[b0 / OF_Q8_BLOCK] = scale;\n"
+      << "      #pragma unroll\n      for (int k = 0; k < OF_Q8_BLOCK / 32; ++k)\n"
+      << "        if (lane + 32 * k < bn) " << n << "_p[b0 + lane + 32 * k] = (signed char)of_q8_encode((float)" << n << "_nv[k], scale);\n"
+      << "    }\n";
+  }
+  s << "  }\n}\n";
+  return s.str();
+}
+
 // Phase i's loop over one chunk of one tensor of storage variant k (concrete types per role).
 std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVariant& var) {
   const bool ahead = variant_runs_states_ahead(plan, var);
@@ -316,8 +386,9 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
   auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
   auto size = [&](int r) { return static_cast<int>(dtype_size(var[static_cast<size_t>(r)].dtype)); };
+  auto q8 = [&](int r) { return var[static_cast<size_t>(r)].dtype == DType::q8; };
   auto type = [&](int r) {
-    return dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
+    return q8(r) ? std::string("signed char") : dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
   };
   size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   std::ostringstream s;
@@ -327,6 +398,10 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     << "* u, double* acc, unsigned long long rng) {\n";
   if (pr.used.empty()) {  // a phase that touches no tensor memory (every output folded to a constant)
     s << "  (void)t; (void)grad; (void)begin; (void)len; (void)u; (void)acc; (void)rng;\n}\n";
+    return s.str();
+  }
+  if (variant_has_q8(var)) {
+    s << q8_chunk_body(plan, ph, pr, var, roles, element_fn, T, d);
     return s.str();
   }
   int narrow = pr.used[0];

@@ -10,7 +10,7 @@
 namespace optfuse {
 
 std::string low_precision_source() {
-  return "\n// Low-precision storage: stochastic rounding, master-weight remainders (src/ir/low_precision_code.h)\n" +
+  return "\n// Low-precision storage: stochastic rounding, master-weight remainders, q8 blocks (src/ir/low_precision_code.h)\n" +
          std::string(OF_STRINGIFY(OF_LOW_PRECISION_CODE)) + "\n";
 }
 

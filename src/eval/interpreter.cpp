@@ -194,6 +194,11 @@ static bool computes_f64(const TensorRef& t) {
   return false;
 }
 
+// Element e of a role's buffer, of any storage dtype.
+static double load_buffer(const Buffer& b, int64_t e) {
+  return b.dtype == DType::q8 ? load_q8_element(b.data, b.numel, e) : load_element(b.data, b.dtype, e);
+}
+
 template <class T>
 void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<TensorRef>& tensors,
                        const std::vector<Chunk>& chunks, size_t first, size_t last, const double* table,
@@ -272,7 +277,16 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
     // Stochastic rounding's stream: the group's step count, already advanced by the scalar phase.
     // (Only the update pass rounds stochastically: states written ahead are float32.)
     const uint64_t rng = update ? lowp::rng_base(t.rng_key, static_cast<uint64_t>(table[L.steps_offset(groups) + grp])) : 0;
+    // q8 states the pass writes: the chunk's new values, encoded a block at a time once the chunk's
+    // elements are done (a block's scale depends on all its values; chunks hold whole blocks).
+    std::vector<std::vector<double>> q8_new(t.states.size());
+    for (int s : form.phase->writes_states)
+      if (t.states[static_cast<size_t>(s)].dtype == DType::q8) q8_new[static_cast<size_t>(s)].assign(static_cast<size_t>(ch.length), 0.0);
     auto store = [&](const Buffer& b, int role, int64_t e, T v) {
+      if (b.dtype == DType::q8) {
+        q8_new[static_cast<size_t>(role - 2)][static_cast<size_t>(e - ch.begin)] = static_cast<double>(v);
+        return;
+      }
       if (b.stochastic_rounding)
         lowp::store_element_sr(b.data, b.dtype, e, static_cast<double>(v),
                                lowp::rng_bits(rng, static_cast<uint64_t>(t.rng_offset + e), role));
@@ -309,18 +323,13 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
         const Node& n = g.node(id);
         size_t i = static_cast<size_t>(id);
         if (loaded_state[i] >= 0) {
-          const Buffer& b = t.states[static_cast<size_t>(loaded_state[i])];
-          val[i] = static_cast<T>(load_element(b.data, b.dtype, e));
+          val[i] = static_cast<T>(load_buffer(t.states[static_cast<size_t>(loaded_state[i])], e));
           continue;
         }
         switch (n.op) {
           case Op::Param: val[i] = static_cast<T>(load_element(t.param.data, t.param.dtype, e)); break;
           case Op::Grad: val[i] = static_cast<T>(load_element(t.grad.data, t.grad.dtype, e)); break;
-          case Op::State: {
-            const Buffer& b = t.states[static_cast<size_t>(n.index)];
-            val[i] = static_cast<T>(load_element(b.data, b.dtype, e));
-            break;
-          }
+          case Op::State: val[i] = static_cast<T>(load_buffer(t.states[static_cast<size_t>(n.index)], e)); break;
           default: {
             T x = val[static_cast<size_t>(n.in[0])];
             T y = op_arity(n.op) > 1 ? val[static_cast<size_t>(n.in[1])] : T(0);
@@ -355,6 +364,12 @@ void run_element_phase(const Plan& plan, size_t phase_index, const std::vector<T
         store(t.states[static_cast<size_t>(s)], 2 + s, e, val[static_cast<size_t>(ran.write_values[k])]);
       }
       if (ran.writes_param) store(t.param, 0, e, val[static_cast<size_t>(p.param_out)]);
+    }
+    for (size_t s = 0; s < q8_new.size(); ++s) {
+      if (q8_new[s].empty()) continue;
+      const Buffer& b = t.states[s];
+      for (int64_t k = 0; k < ch.length; k += kQ8Block)
+        store_q8_block(b.data, b.numel, ch.begin + k, std::min<int64_t>(kQ8Block, ch.length - k), q8_new[s].data() + k);
     }
     for (size_t r = 0; r < phase.reductions.size(); ++r) partials[red_slot[r]][c] = acc[r];
   }

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "ir/low_precision.h"
 #include "optfuse/error.h"
 
 namespace optfuse {
@@ -13,7 +14,8 @@ DType parse_dtype(const std::string& n) {
   if (n == "bfloat16" || n == "bf16") return DType::bf16;
   if (n == "int16" || n == "i16") return DType::i16;
   if (n == "float64" || n == "f64" || n == "fp64" || n == "double") return DType::f64;
-  throw Error("unknown dtype '" + n + "' (expected float32, float64, float16, bfloat16 or int16)");
+  if (n == "q8" || n == "int8") return DType::q8;
+  throw Error("unknown dtype '" + n + "' (expected float32, float64, float16, bfloat16, int16 or q8)");
 }
 
 uint16_t float_to_bf16_bits(float f) {
@@ -75,8 +77,25 @@ double load_element(const void* base, DType t, int64_t i) {
     case DType::bf16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
     case DType::i16: return static_cast<const int16_t*>(base)[i];
     case DType::f64: return static_cast<const double*>(base)[i];
+    case DType::q8: throw Error("load_element: a q8 element needs its buffer's size (load_q8_element)");
   }
   return 0;
+}
+
+double load_q8_element(const void* base, int64_t n, int64_t i) {
+  const auto* bytes = static_cast<const unsigned char*>(base);
+  float scale;
+  std::memcpy(&scale, bytes + q8_scales_offset(n) + 4 * (i / kQ8Block), 4);
+  return lowp::q8_decode(static_cast<signed char>(bytes[i]), scale);
+}
+
+void store_q8_block(void* base, int64_t n, int64_t first, int64_t count, const double* values) {
+  auto* bytes = static_cast<unsigned char*>(base);
+  float scale = 0.0f;
+  for (int64_t k = 0; k < count; ++k) scale = lowp::q8_fold_scale(scale, static_cast<float>(values[k]));
+  std::memcpy(bytes + q8_scales_offset(n) + 4 * (first / kQ8Block), &scale, 4);
+  for (int64_t k = 0; k < count; ++k)
+    bytes[first + k] = static_cast<unsigned char>(static_cast<signed char>(lowp::q8_encode(static_cast<float>(values[k]), scale)));
 }
 
 void store_element(void* base, DType t, int64_t i, double v) {
@@ -91,6 +110,7 @@ void store_element(void* base, DType t, int64_t i, double v) {
     case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16_bits(f); break;
     case DType::i16: static_cast<int16_t*>(base)[i] = static_cast<int16_t>(std::lrint(std::fmin(std::fmax(v, -32768.0), 32767.0))); break;
     case DType::f64: break;
+    case DType::q8: throw Error("store_element: q8 is stored a block at a time (store_q8_block)");
   }
 }
 

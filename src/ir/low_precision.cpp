@@ -1,5 +1,6 @@
 #include "ir/low_precision.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "ir/low_precision_code.h"
@@ -37,6 +38,9 @@ uint16_t float_to_f16_sr(float x, uint32_t r) { return of_float_to_f16_sr(x, r);
 float master_from_remainder(float param, float remainder) { return of_master_from_remainder(param, remainder); }
 float remainder_of_master(float master) { return of_remainder_of_master(master); }
 float param_of_master(float master) { return of_param_of_master(master); }
+float q8_fold_scale(float scale, float x) { return of_q8_fold_scale(scale, x); }
+int q8_encode(float x, float scale) { return of_q8_encode(x, scale); }
+float q8_decode(int q, float scale) { return of_q8_decode(q, scale); }
 
 void store_element_sr(void* base, DType t, int64_t i, double v, uint32_t r) {
   const float f = static_cast<float>(v);

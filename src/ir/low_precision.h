@@ -19,5 +19,10 @@ void store_element_sr(void* base, DType t, int64_t i, double v, uint32_t r);
 float master_from_remainder(float param, float remainder);
 float remainder_of_master(float master);
 float param_of_master(float master);
+// q8 block quantization (optfuse/dtype.h): a block's scale folded over its values, a value's code
+// under a scale, a code's value.
+float q8_fold_scale(float scale, float x);
+int q8_encode(float x, float scale);
+float q8_decode(int q, float scale);
 
 }  // namespace optfuse::lowp

@@ -31,6 +31,12 @@
 // low half >= 0x8000 rounds the magnitude up), and the int16 remainder r = the low 16 bits of m
 // read as a signed number. m is rebuilt exactly: upper = bits(p) >> 16, minus one where r < 0.
 // NaN and infinity keep their upper half (a NaN's payload is not preserved).
+//
+// q8 block-quantized states (optfuse/dtype.h has the storage format): a block's scale is the
+// largest finite |x| of its new values (of_q8_fold_scale from 0, in any order: a max is exact);
+// code q = sign(x) * rint(127 * (|x| / scale)^(1/4)), -128 for a non-finite x; the value of q is
+// sign(q) * scale * (|q|/127)^4. Only IEEE multiplies, a division and square roots, none feeding
+// an add (nothing a compiler may contract into an fma), so every backend gets the same bits.
 #pragma once
 
 #define OF_LOW_PRECISION_CODE                                                                      \
@@ -99,4 +105,22 @@
       upper += 1u;                                                                                 \
     }                                                                                              \
     return of_u2f(upper << 16);                                                                    \
+  }                                                                                                \
+  OF_FN float of_q8_fold_scale(float scale, float x) {                                             \
+    float a = x < 0.0f ? -x : x;                                                                   \
+    return (a - a == 0.0f && a > scale) ? a : scale; /* finite values only */                     \
+  }                                                                                                \
+  OF_FN int of_q8_encode(float x, float scale) {                                                   \
+    if (!(x - x == 0.0f)) return -128; /* NaN or infinite */                                      \
+    float a = x < 0.0f ? -x : x;                                                                   \
+    float t = scale > 0.0f ? a / scale : 0.0f;                                                     \
+    int q = (int)rintf(sqrtf(sqrtf(t)) * 127.0f);                                                  \
+    return x < 0.0f ? -q : q;                                                                      \
+  }                                                                                                \
+  OF_FN float of_q8_decode(int q, float scale) {                                                   \
+    if (q == -128) return of_u2f(0x7fc00000u);                                                     \
+    float a = (float)(q < 0 ? -q : q) * (1.0f / 127.0f);                                           \
+    float a2 = a * a;                                                                              \
+    float v = a2 * a2 * scale;                                                                     \
+    return q < 0 ? -v : v;                                                                         \
   }

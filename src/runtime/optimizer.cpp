@@ -178,7 +178,12 @@ void check_dtype(const std::string& where, const std::string& what, const Buffer
   } else if (b.dtype == DType::i16) {
     throw Error(where + what + " is int16; only a master-weight remainder state is stored as int16 "
                 "(float32, float16 or bfloat16 expected)");
+  } else if (b.dtype == DType::q8 && (state == nullptr || state->shape != StateShape::Full)) {
+    throw Error(where + what + " is q8; block-quantized 8-bit storage is for a rule's full-size states, not " +
+                (state == nullptr ? std::string("parameters or gradients") : "per-row or per-column states"));
   }
+  if (b.stochastic_rounding && b.dtype == DType::q8)
+    throw Error(where + what + ": q8 states round to the nearest code; stochastic rounding is not offered for them");
   if (b.stochastic_rounding && !(written && dtype_is_low_precision_float(b.dtype)))
     throw Error(where + what + ": stochastic rounding applies to float16/bfloat16 buffers the step writes "
                 "(the parameter and states), not to a " + std::string(dtype_name(b.dtype)) + " " +
@@ -237,6 +242,10 @@ void Optimizer::set_tensors(const std::vector<TensorRef>& tensors) {
       }
       check_dtype(where, what, r.states[s], true, &prog.states[s]);
     }
+    for (size_t s = 0; s < nstates && plan_->matrix(); ++s)
+      if (r.states[s].dtype == DType::q8)
+        throw Error(where + "state " + prog.states[s].qualified + " is q8, which plans with row or column values (" +
+                    prog.chain_text + ") do not support yet: their chunks hold whole rows, not whole blocks");
     check_precision(where, prog.precision, r.param);
     if (r.group < 0 || r.group >= groups_)
       throw Error(where + "parameter group " + std::to_string(r.group) + " does not exist (there are " +

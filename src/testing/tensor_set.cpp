@@ -36,13 +36,17 @@ HostTensorSet::HostTensorSet(const Plan& plan, const std::vector<TensorSpec>& sp
     for (size_t r = 0; r < roles; ++r) {
       const DType d = storage[r].dtype;
       const int64_t n = numel(ti, r);
-      t[r].resize(static_cast<size_t>(n) * dtype_size(d));
+      t[r].resize(static_cast<size_t>(d == DType::q8 ? q8_storage_bytes(n) : n * static_cast<int64_t>(dtype_size(d))));
       const ProgramState* st = r >= 2 ? &plan.program.states[r - 2] : nullptr;
+      std::vector<double> values(static_cast<size_t>(n));
       for (int64_t i = 0; i < n; ++i) {
         double v = st == nullptr ? normal(rng) : st->init;
         if (st != nullptr && st->init_from_param) v = load_element(t[0].data(), storage[0].dtype, i);
-        store_element(t[r].data(), d, i, v);
+        values[static_cast<size_t>(i)] = v;
+        if (d != DType::q8) store_element(t[r].data(), d, i, v);
       }
+      for (int64_t i = 0; d == DType::q8 && i < n; i += kQ8Block)  // a q8 state is written a block at a time
+        store_q8_block(t[r].data(), n, i, std::min(kQ8Block, n - i), values.data() + i);
     }
     data_.back() = std::move(t);
   }
@@ -86,7 +90,9 @@ void HostTensorSet::randomize_grads(uint64_t seed) {
 }
 
 double HostTensorSet::value(size_t tensor, size_t role, int64_t i) const {
-  return load_element(data_[tensor][role].data(), storage_.at(role).dtype, i);
+  const DType d = storage_.at(role).dtype;
+  if (d == DType::q8) return load_q8_element(data_[tensor][role].data(), numel(tensor, role), i);
+  return load_element(data_[tensor][role].data(), d, i);
 }
 
 double max_relative_difference(const HostTensorSet& a, const HostTensorSet& b) {
