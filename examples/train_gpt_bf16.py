@@ -8,6 +8,8 @@ plots the loss curves:
   (d) plain       bfloat16 parameters, nothing else: updates below half a bfloat16 ulp are rounded away
   (e) stochastic  bfloat16 parameters, stochastic_rounding=True, state_dtype=torch.bfloat16
   (f) kahan       bfloat16 parameters, kahan=True (a bfloat16 compensation state)
+  (g) int8        float32 parameters, state_dtype=torch.int8 (block-quantized 8-bit moments)
+  (h) rem + int8  bfloat16 parameters, master_weights="remainders", state_dtype=torch.int8
 
     python3 examples/train_gpt_bf16.py [--steps 300] [--lr 3e-3] [--progress] [--out out/train_gpt_bf16.png]
 
@@ -45,6 +47,8 @@ RUNS = [  # (key, label, parameter dtype, AdamW precision keywords)
     ("d", "bf16 plain", BF16, {}),
     ("e", "bf16 + stochastic_rounding, bf16 states", BF16, {"stochastic_rounding": True, "state_dtype": BF16}),
     ("f", "bf16 + kahan=True", BF16, {"kahan": True}),
+    ("g", "fp32 params, int8 states", None, {"state_dtype": torch.int8}),
+    ("h", 'bf16 + "remainders" + int8 states', BF16, {"master_weights": "remainders", "state_dtype": torch.int8}),
 ]
 TAIL = 20    # final loss = mean of the last TAIL losses
 MOVED = 50   # report the fraction of weights that changed over the last MOVED steps
@@ -124,7 +128,7 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--grad-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="gradient dtype of the bfloat16 parameters (float32: param.grad_dtype, torch >= 2.10)")
-    ap.add_argument("--runs", default="abcdef", help="which of the runs (a)-(f) to train")
+    ap.add_argument("--runs", default="abcdefgh", help="which of the runs (a)-(h) to train")
     ap.add_argument("--progress", action="store_true", help="print the loss every tenth of the steps of each run")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -182,6 +186,12 @@ def _summarise(results):
         out["d_visibly_worse"] = worse
         verdicts.append(f"(d) plain bf16 vs (a) fp32: {rel:+.2%} -> "
                         f"{'visibly worse' if worse else 'NOT visibly worse'} (criterion: > 1% and > 3x |(b) - (a)|)")
+    for k in "gh":  # 8-bit states: the bar is 0.5% of the fp32 run's final loss
+        if a is not None and k in results:
+            rel = results[k]["rel_to_a"]
+            out[f"{k}_within_half_pct_of_a"] = abs(rel) <= 0.005
+            verdicts.append(f"({k}) {results[k]['label']} vs (a) fp32: {rel:+.2%} -> "
+                            f"{'within' if abs(rel) <= 0.005 else 'NOT within'} 0.5%")
     out["verdicts"] = verdicts
     out["final_loss"] = {k: r["final_loss"] for k, r in results.items()}
     return out
@@ -198,7 +208,8 @@ def _plot(results, args):
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(19, 5))
     styles = {"a": dict(lw=3, alpha=0.5, color="k"), "b": dict(lw=1.5, color="tab:blue"),
               "c": dict(lw=1.2, ls="--", color="tab:cyan"), "d": dict(lw=1.5, color="tab:red"),
-              "e": dict(lw=1.2, color="tab:orange"), "f": dict(lw=1.2, ls=":", color="tab:green")}
+              "e": dict(lw=1.2, color="tab:orange"), "f": dict(lw=1.2, ls=":", color="tab:green"),
+              "g": dict(lw=1.2, color="tab:purple"), "h": dict(lw=1.2, ls="--", color="tab:brown")}
     half = args.steps // 2
     base = results["a"]["losses"] if "a" in results else None
     for key, r in results.items():

@@ -74,6 +74,10 @@ NB_MODULE(_core, m) {
   optfuse::py::bind_table_watch(m);
   optfuse::py::bind_dlpack_exchange(m);
   optfuse::py::bind_matrix(m);
+  m.def("q8_storage_bytes", [](int64_t n) { return q8_storage_bytes(n); }, "numel"_a,
+        "Bytes of a q8 (block-quantized 8-bit) state of numel elements: the codes, padding, the block scales.");
+  m.attr("q8_block") = kQ8Block;
+  m.attr("q8_scales_align") = kQ8ScalesAlign;
   m.def("chunk_elements", [](const std::string& backend) { return chunk_elements(parse_backend(backend)); }, "backend"_a,
         "Elements per chunk of a backend: the unit of partial sums, so of shard cuts.");
   // A step's launch and its bookkeeping (step tensors advanced, host counters) as one C call: the

@@ -12,6 +12,7 @@ from .. import _core
 from . import _dtensor
 from ._engine import Engine, _on_device
 from ._group_values import _host_view, _is_dense, _plain, _scalar_dtype, _sig_key
+from . import _q8
 from ._precision import _chain_precision, _precision_of, _state_dtype
 from ._checks import _check_aliasing, _check_grad, _step_count
 
@@ -488,7 +489,14 @@ class TableBinding:
             home = st if key is not None else self._private_states.setdefault(p, {})
             key = name if key is None else key
 
+            q8 = dtype == torch.int8 and shape is None  # a full-size state stored as q8 (_q8.py)
+            if dtype == torch.int8 and not q8:
+                dtype = torch.float32  # a per-row or per-column state: small, kept in float32
+            numel = _dtensor.local(p).numel()
+
             def new():  # in the parameter's layout (or the state's own shape) and the role's dtype
+                if q8:
+                    return torch.zeros(_q8.storage_bytes(numel), dtype=torch.int8, device=p.device)
                 if shape is None:  # (a parameter with gaps: torch's preserve_format gives contiguous states)
                     return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 return torch.empty(shape, dtype=dtype, device=p.device)
@@ -499,6 +507,13 @@ class TableBinding:
                 tg, i = self._position_of(p)
                 raise OptfuseError(f"{type(self).__name__}: state '{key}' of parameter {i} of group {tg} is a "
                                    f"{type(t).__name__}; expected a tensor")
+            if q8:
+                if _dtensor.is_dtensor(p):
+                    raise OptfuseError(f"{type(self).__name__}: state_dtype=torch.int8 is not supported for DTensor "
+                                       "(FSDP2) parameters yet")
+                home[key] = t = self._q8_state(p, t, init, from_param, key)
+                out.append(t)
+                continue
             if fresh:
                 t = new()
                 if from_param:
@@ -533,6 +548,25 @@ class TableBinding:
             home[key] = t
             out.append(t)
         return out
+
+    def _q8_state(self, p, t, init, from_param, key):
+        """A q8 state of p (state_dtype=torch.int8): t itself where it is one already; else a new one,
+        or t (a float state of p's shape: a torch state dict, a changed state_dtype) quantized."""
+        numel = p.numel()
+        if t is not None and _q8.is_q8_state(t, numel) and t.device == p.device:
+            return t
+        if t is None:
+            if not from_param and init == 0:
+                return torch.zeros(_q8.storage_bytes(numel), dtype=torch.int8, device=p.device)
+            t = p.detach() if from_param else torch.full(p.shape, float(init), device=p.device)
+        elif t.dtype == torch.int8 or t.shape != p.shape:
+            tg, i = self._position_of(p)
+            raise OptfuseError(f"{type(self).__name__}: state '{key}' of parameter {i} of group {tg} (shape "
+                               f"{tuple(p.shape)}) is a {t.dtype} tensor of shape {tuple(t.shape)}; a q8 state "
+                               f"(state_dtype=torch.int8) is 1-D int8 of {_q8.storage_bytes(numel)} bytes, or give "
+                               "a float tensor of the parameter's shape")
+        with torch.no_grad():
+            return _q8.quantize(t.to(p.device))
 
     def _grad_for(self, p, grad):
         if grad.stride() == p.stride() or (grad.is_contiguous() and p.is_contiguous()):

@@ -31,7 +31,8 @@ from ._dtensor import local
 from . import _reader  # noqa: F401 (importing it installs the tensor readers)
 
 # optfuse DType codes (include/optfuse/dtype.h); int16 only for master-weight remainder states
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3, torch.float64: 4}
+# (torch.int8: a q8 state's storage, _q8.py)
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int16: 3, torch.float64: 4, torch.int8: 5}
 _FLOAT_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 4}
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int16": torch.int16,
                 "float64": torch.float64}

@@ -43,9 +43,9 @@ def _check_precision_options(cls_name, g):
     if not (mw is True or mw is False or mw == "remainders"):
         raise OptfuseError(f"{cls_name}: master_weights must be False, True or 'remainders', got {mw!r}")
     sd = g.get("state_dtype")
-    if sd is not None and sd not in (torch.float32, torch.bfloat16, torch.float16):
-        raise OptfuseError(f"{cls_name}: state_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, "
-                           f"got {sd!r}")
+    if sd is not None and sd not in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+        raise OptfuseError(f"{cls_name}: state_dtype must be None, torch.float32, torch.bfloat16, torch.float16 or "
+                           f"torch.int8 (block-quantized 8-bit states), got {sd!r}")
     for k in ("stochastic_rounding", "kahan"):
         if not isinstance(g.get(k, False), bool):
             raise OptfuseError(f"{cls_name}: {k} must be True or False, got {g.get(k)!r}")
@@ -90,7 +90,9 @@ PRECISION_DOC = """
                              parameter plus an int16 remainder (6 bytes per parameter). Refused
                              for parameters of other dtypes.
       state_dtype=None       dtype of the rule's states (torch.float32, torch.bfloat16,
-                             torch.float16); None: the parameter's (float32 beside a master copy).
+                             torch.float16, or torch.int8: 8-bit codes with a float32 scale per
+                             block of 256 elements, about 1.02 bytes per element); None: the
+                             parameter's (float32 beside a master copy).
       stochastic_rounding=False  float16/bfloat16 stores round stochastically (deterministic
                              streams per tensor).
       kahan=False            Kahan-compensated parameter updates (a compensation state in the
