@@ -44,13 +44,13 @@ class CpuExecutor : public HostExecutor {
         std::fprintf(stderr, "optfuse: no C++ compiler at run time (%s); the CPU backend interprets its plans "
                              "in float32 instead (correct, but much slower)\n", why.c_str());
       });
-      source_ = std::make_shared<const std::string>(generate_cpu_source(plan_, variants_));
+      source_ = generate_cpu_source(plan_, variants_);
       status_ = "interpreted in float32 (no compiler: " + why + ")";
       return;
     }
     compile();
   }
-  std::string source() const override { return source_ ? *source_ : std::string(); }
+  std::string source() const override { return source_; }
   std::string status() const override { return status_; }
 
   void set_tensors(const std::vector<TensorRef>& tensors) override {
@@ -153,8 +153,7 @@ class CpuExecutor : public HostExecutor {
  private:
   // Generates and compiles the source for variants_ (cached on disk by content).
   void compile() {
-    // Shared with the compiler's memo of verified kernels, which then needs no copy of it.
-    auto source = std::make_shared<const std::string>(generate_cpu_source(plan_, variants_));
+    std::string source = generate_cpu_source(plan_, variants_);
     host::CompileResult r = host::compile_shared_object(source);
     auto lib = std::make_unique<host::SharedLibrary>(r.so_path);
     std::vector<PhaseFn> fns;
@@ -180,8 +179,7 @@ class CpuExecutor : public HostExecutor {
     status_ = buf;
   }
 
-  std::shared_ptr<const std::string> source_;
-  std::string status_;
+  std::string source_, status_;
   std::vector<StorageVariant> variants_;  // compiled, in OfTensor::variant order
   std::vector<int> variant_index_;        // per tensor
   std::unique_ptr<host::SharedLibrary> lib_;

@@ -15,10 +15,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <functional>
 #include <map>
 #include <set>
-#include <string_view>
 #include <unordered_map>
 #include <memory>
 #include <mutex>
@@ -293,51 +291,23 @@ std::string numbered_head(const std::string& source, int max_lines) {
   return out;
 }
 
-// (cache root, key material) -> what compile_shared_object returned for it in this process. The
-// material is kept as its two parts (compiler, CPU and flags; the source) so that neither a lookup
-// nor the key's hash needs them concatenated into one more copy of the source. Both parts are
-// held by shared pointers, never copied: the head is the one of the compile's setup
-// (compile_setup), the source the caller's (a generated kernel's source, kept by its executor
-// anyway). Copying a 20-60 KB source into fresh heap pages cost 10-22 us on a process's first
-// load of a kernel, a third of what the cache's checks cost.
+// (cache root, key) -> what compile_shared_object returned for it in this process. Found by the
+// key itself (the SHA-256 of compiler, flags and source), so nothing of the source is kept: an
+// earlier version kept each kernel's source (20-60 KB) to confirm a hit by comparing it, which
+// spared a repeated lookup the key's hash but left every later construction in the process to
+// allocate fresh pages instead of reusing freed ones (a page fault costs ~2.4 us on the machine
+// of docs/performance.md): 10-40 us per construction, more than the hash it spared.
 class VerifiedKernels {
  public:
-  struct Key {
-    const std::string& root;
-    const std::shared_ptr<const std::string>& head;  // the length-prefixed parts before the source
-    size_t head_hash;
-    const std::string& source;
-    size_t hash;  // memo_hash of the three
-  };
-  // Only for finding candidates: a hit is confirmed by comparing all of the text, so a sample
-  // of the source does (the first and last KB and 64 bytes of every KB): a lookup costs about
-  // 1 us instead of a pass over the 20-60 KB of a generated kernel.
-  static size_t memo_hash(const std::string& root, size_t head_hash, const std::string& source) {
-    const std::hash<std::string_view> hs;
-    const std::string_view src(source);
-    size_t h = hs(root) * 31 + head_hash;
-    h = h * 31 + src.size();
-    h = h * 31 + hs(src.substr(0, 1024));
-    h = h * 31 + hs(src.substr(src.size() > 1024 ? src.size() - 1024 : 0));
-    for (size_t at = 1024; at + 1024 < src.size(); at += 1024) h = h * 31 + hs(src.substr(at, 64));
-    return h;
-  }
-  std::optional<CompileResult> find(const Key& k) {
+  std::optional<CompileResult> find(const std::string& root, const std::string& key) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = map_.find(k.hash);
+    auto it = map_.find(root + '\0' + key);
     if (it == map_.end()) return std::nullopt;
-    for (const Item& i : it->second)
-      if (same(i, k)) return i.result;
-    return std::nullopt;
+    return it->second;
   }
-  // `keep_source`: the source to hold (the caller's, or a copy of it).
-  void add(const Key& k, const std::function<std::shared_ptr<const std::string>()>& keep_source,
-           const CompileResult& r) {
+  void add(const std::string& root, const std::string& key, const CompileResult& r) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto& items = map_[k.hash];
-    for (const Item& i : items)
-      if (same(i, k)) return;
-    items.push_back(Item{k.root, k.head, keep_source(), r});
+    map_.emplace(root + '\0' + key, r);
   }
   void clear() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -345,17 +315,8 @@ class VerifiedKernels {
   }
 
  private:
-  struct Item {
-    std::string root;
-    std::shared_ptr<const std::string> head, source;
-    CompileResult result;
-  };
-  static bool same(const Item& i, const Key& k) {
-    return (i.source.get() == &k.source || *i.source == k.source) && (i.head == k.head || *i.head == *k.head) &&
-           i.root == k.root;
-  }
   std::mutex mu_;
-  std::unordered_map<size_t, std::vector<Item>> map_;
+  std::unordered_map<std::string, CompileResult> map_;
 };
 
 // What compiles with these extra flags use under the current environment ($OPTFUSE_CXX, $CXX,
@@ -365,8 +326,7 @@ class VerifiedKernels {
 struct CompileSetup {
   Compiler cc;
   std::vector<std::string> flags;
-  std::shared_ptr<const std::string> head;
-  size_t head_hash = 0;  // std::hash of *head, for VerifiedKernels::memo_hash
+  std::string head;
 };
 
 std::shared_ptr<const CompileSetup> compile_setup(const std::vector<std::string>& extra_flags) {
@@ -388,15 +348,12 @@ std::shared_ptr<const CompileSetup> compile_setup(const std::vector<std::string>
   setup->flags = default_compile_flags();
   setup->flags.insert(setup->flags.end(), extra_flags.begin(), extra_flags.end());
   // Every part is length-prefixed, so no two different lists of parts make the same text.
-  std::string head;
-  auto part = [&](const std::string& s) { head += std::to_string(s.size()) + ":" + s; };
+  auto part = [&](const std::string& s) { setup->head += std::to_string(s.size()) + ":" + s; };
   part("optfuse-host-so-v2");
   part(cc->path);
   part(cc->version);
   part(cpu_features());
   for (const auto& f : setup->flags) part(f);
-  setup->head_hash = std::hash<std::string>()(head);
-  setup->head = std::make_shared<const std::string>(std::move(head));
   setup->cc = std::move(*cc);
   std::lock_guard<std::mutex> lk(mu);
   return setups.emplace(id, std::move(setup)).first->second;
@@ -429,25 +386,27 @@ const std::vector<std::string>& default_compile_flags() {
   // -ffp-contract=off: GCC contracts a*b+c into fma by default once -march=native offers FMA,
   // which changes rounding; -fno-math-errno/-fno-trapping-math keep IEEE results but let sqrt and
   // friends be inlined and vectorised.
-  // -s and -z noseparate-code make the shared object smaller, not its code different: a cached
-  // entry is hashed in full (and mapped) on every first load in a process. GNU ld's default
-  // layout (-z separate-code) gives the code pages of its own, about 8 KB of padding per kernel
-  // (a 23 KB sgd kernel becomes 14 KB, with two mappings instead of four); -s drops the static
-  // symbol table, about 1 KB (the entry points stay in the dynamic one). The cost: the ELF
-  // headers and read-only data share the code's executable mapping. A linker that does not know
-  // -z noseparate-code (gold) links without it (kLayoutFlag below). Like every flag, both are
+  // -s, -z noseparate-code and -z norelro make the shared object smaller and quicker to dlopen,
+  // not its code different: a cached entry is hashed in full (and mapped) on every first load in
+  // a process. GNU ld's default layout (-z separate-code) gives the code pages of its own, about
+  // 8 KB of padding per kernel (a 23 KB sgd kernel becomes 14 KB, two mappings instead of four);
+  // -s drops the static symbol table, about 1 KB (the entry points stay in the dynamic one);
+  // without RELRO the loader has no page to make read-only after relocating (an mprotect and a
+  // split mapping: dlopen of a 26 KB kernel 25 -> 19 us) and the file loses another ~1 KB of
+  // padding. The costs: the ELF headers and read-only data share the code's executable mapping,
+  // and the kernel's few GOT entries (the loader's own: __cxa_finalize and the like) stay
+  // writable; neither is something the cache's checks rely on. A linker that does not know
+  // -z noseparate-code (gold) links without it (kLayoutFlag below). Like every flag, these are
   // part of the cache key.
   static const std::vector<std::string> flags = {
       "-O3", "-march=native", "-std=c++17", "-fPIC", "-shared",
       "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
-      "-s", "-Wl,-z,noseparate-code"};
+      "-s", "-Wl,-z,noseparate-code", "-Wl,-z,norelro"};
   return flags;
 }
 
-namespace {
-
-CompileResult compile(const std::string& source, const std::shared_ptr<const std::string>& shared_source,
-                      const std::vector<std::string>& extra_flags) {
+CompileResult compile_shared_object(const std::string& source,
+                                    const std::vector<std::string>& extra_flags) {
   auto t0 = std::chrono::steady_clock::now();
   auto elapsed = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -457,26 +416,21 @@ CompileResult compile(const std::string& source, const std::shared_ptr<const std
   const std::vector<std::string>& flags = setup->flags;
   // The key is the SHA-256 of head + "<size>:" + source, hashed in updates (the same digest as the
   // concatenation, without copying the source).
-  const std::string size_part = std::to_string(source.size()) + ":";
+  Sha256 key_hash;
+  key_hash.update(setup->head);
+  key_hash.update(std::to_string(source.size()) + ":");
+  key_hash.update(source);
+  const std::string key = to_hex(key_hash.finish());
 
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
   // A kernel this process already verified and loaded is not read from disk again: its bytes are
   // held by an open descriptor (loadable_path), and dlopen would return the mapped object anyway.
   const std::string root = use_cache ? cache_root() : std::string();
-  const VerifiedKernels::Key memo{root, setup->head, setup->head_hash, source,
-                                  use_cache ? VerifiedKernels::memo_hash(root, setup->head_hash, source) : 0};
   if (use_cache) {
-    if (auto hit = verified_kernels().find(memo)) return {hit->so_path, true, elapsed(), hit->cache_path};
+    if (auto hit = verified_kernels().find(root, key)) return {hit->so_path, true, elapsed(), hit->cache_path};
   }
-  Sha256 key_hash;
-  key_hash.update(*setup->head);
-  key_hash.update(size_part);
-  key_hash.update(source);
-  const std::string key = to_hex(key_hash.finish());
   auto remember = [&](CompileResult r) {
-    if (use_cache)
-      verified_kernels().add(
-          memo, [&] { return shared_source ? shared_source : std::make_shared<const std::string>(source); }, r);
+    if (use_cache) verified_kernels().add(root, key, r);
     return r;
   };
 
@@ -562,17 +516,6 @@ CompileResult compile(const std::string& source, const std::shared_ptr<const std
   if (cached && cache->store(key, ".so", bytes, &digest)) cache_path = cache->path_for(key, ".so");
   // A read-only or full cache: the compiled object is still loadable, just not kept.
   return remember({loadable_path(std::move(so_fd), digest), false, elapsed(), cache_path});
-}
-
-}  // namespace
-
-CompileResult compile_shared_object(const std::string& source, const std::vector<std::string>& extra_flags) {
-  return compile(source, nullptr, extra_flags);
-}
-
-CompileResult compile_shared_object(const std::shared_ptr<const std::string>& source,
-                                    const std::vector<std::string>& extra_flags) {
-  return compile(*source, source, extra_flags);
 }
 
 void forget_verified_kernels() { verified_kernels().clear(); }

@@ -5,7 +5,6 @@
 // floating-point contraction; -march=native makes the artifact CPU-specific, which is why the
 // CPU's feature flags are part of the cache key.
 #pragma once
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -51,10 +50,6 @@ struct CompileResult {
 // Throws optfuse::BackendUnavailable if there is no compiler, optfuse::Error (with the compiler
 // output and the first 40 numbered source lines) if compilation fails.
 CompileResult compile_shared_object(const std::string& source,
-                                    const std::vector<std::string>& extra_flags = {});
-// The same for a source the caller keeps: the per-process memo of verified kernels (below) then
-// holds this pointer instead of a copy of the source.
-CompileResult compile_shared_object(const std::shared_ptr<const std::string>& source,
                                     const std::vector<std::string>& extra_flags = {});
 
 // compile_shared_object remembers, per process, the kernels it verified and loaded, and returns
