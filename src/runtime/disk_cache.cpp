@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -221,15 +223,57 @@ std::string make_private_temp_dir() {
   return buf.data();
 }
 
+namespace {
+
+// The cache directories this process opened and checked, kept open: a DiskCache is made for
+// every kernel looked up, and opening and checking two directories again each time cost 5-9 us
+// of a process's first load of a kernel. Reused only while the paths still name the same
+// directories and those are still trusted (one fstatat of each, without following a symlink in
+// the last component, the same as opening them), so a directory removed, replaced or opened up
+// (chmod) since is opened and checked again.
+struct OpenedDir {
+  std::shared_ptr<UniqueFd> fd;
+  dev_t root_dev, dev;
+  ino_t root_ino, ino;
+};
+std::mutex opened_dirs_mu;
+std::map<std::string, OpenedDir>& opened_dirs() {
+  static std::map<std::string, OpenedDir> dirs;  // by the directory's path
+  return dirs;
+}
+
+bool still_trusted(const std::string& path, dev_t dev, ino_t ino) {
+  struct stat st;
+  return ::fstatat(AT_FDCWD, path.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && st.st_dev == dev && st.st_ino == ino &&
+         untrusted_reason(st, true).empty();
+}
+
+}  // namespace
+
 DiskCache::DiskCache(const std::string& subdir) {
   const std::string root = cache_root();
   dir_ = root + "/" + subdir;
+  {
+    std::lock_guard<std::mutex> lk(opened_dirs_mu);
+    auto it = opened_dirs().find(dir_);
+    if (it != opened_dirs().end()) {
+      const OpenedDir& d = it->second;
+      if (still_trusted(root, d.root_dev, d.root_ino) && still_trusted(dir_, d.dev, d.ino)) {
+        dir_fd_ = d.fd;
+        return;
+      }
+      opened_dirs().erase(it);
+    }
+  }
   std::string why;
   UniqueFd root_fd = open_trusted_dir(AT_FDCWD, root, &why);
   if (root_fd) {
     UniqueFd sub = open_trusted_dir(root_fd.get(), subdir, &why);
-    if (sub) {
-      dir_fd_ = std::move(sub);
+    struct stat root_st, st;
+    if (sub && ::fstat(root_fd.get(), &root_st) == 0 && ::fstat(sub.get(), &st) == 0) {
+      dir_fd_ = std::make_shared<UniqueFd>(std::move(sub));
+      std::lock_guard<std::mutex> lk(opened_dirs_mu);
+      opened_dirs()[dir_] = OpenedDir{dir_fd_, root_st.st_dev, st.st_dev, root_st.st_ino, st.st_ino};
       return;
     }
     why = root + "/" + why;
@@ -246,7 +290,7 @@ std::string DiskCache::check(const std::string& name, const std::string& key, En
                              bool want_payload) const {
   if (!dir_fd_) return "the cache is not usable";
   // O_NONBLOCK: a planted FIFO must not hang the open.
-  UniqueFd fd(::openat(dir_fd_.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
+  UniqueFd fd(::openat(dir_fd_->get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
   if (!fd) return errno == ELOOP ? "is a symlink" : errno == ENOENT ? "missing" : "cannot be opened: " + errno_text(errno);
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return "cannot be read: " + errno_text(errno);
@@ -304,7 +348,7 @@ std::optional<DiskCache::Entry> DiskCache::load(const std::string& key, const st
   if (why == "missing") return std::nullopt;
   // Never loaded; removed so that the rebuilt entry can take its place. (The directory is ours,
   // so even an entry planted with another owner can be removed.)
-  remove_tree_at(dir_fd_.get(), key + ext);
+  remove_tree_at(dir_fd_->get(), key + ext);
   warn_once("bad-entry:" + path_for(key, ext),
             "kernel cache entry " + path_for(key, ext) + " " + why + "; removed, compiling it again");
   return std::nullopt;
@@ -316,7 +360,7 @@ bool DiskCache::store(const std::string& key, const std::string& ext, const std:
   static std::atomic<unsigned long> counter{0};
   // Unique per process and call; the pid lets remove_stale() recognise a dead writer's leftovers.
   const std::string tmp = key + ext + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(++counter);
-  UniqueFd fd(::openat(dir_fd_.get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
+  UniqueFd fd(::openat(dir_fd_->get(), tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644));
   if (!fd) return false;
   unsigned char trailer[kTrailerSize];
   std::memcpy(trailer, kMagic, 16);
@@ -329,8 +373,8 @@ bool DiskCache::store(const std::string& key, const std::string& ext, const std:
   bool ok = ::fchmod(fd.get(), 0644) == 0 && write_full(fd.get(), payload.data(), payload.size()) &&
             write_full(fd.get(), trailer, kTrailerSize);
   ok = ::close(fd.release()) == 0 && ok;  // close reports delayed write errors (full disk, NFS)
-  if (ok && ::renameat(dir_fd_.get(), tmp.c_str(), dir_fd_.get(), (key + ext).c_str()) == 0) return true;
-  ::unlinkat(dir_fd_.get(), tmp.c_str(), 0);
+  if (ok && ::renameat(dir_fd_->get(), tmp.c_str(), dir_fd_->get(), (key + ext).c_str()) == 0) return true;
+  ::unlinkat(dir_fd_->get(), tmp.c_str(), 0);
   return false;
 }
 
@@ -360,7 +404,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key) const {
   const std::string name = key + ".lock";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(lock_timeout_s());
   for (;;) {
-    UniqueFd fd(::openat(dir_fd_.get(), name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+    UniqueFd fd(::openat(dir_fd_->get(), name.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
     struct stat st;
     if (!fd || ::fstat(fd.get(), &st) != 0 || !untrusted_reason(st, false).empty()) {
       // Not ours (or a symlink): remove it once and try again; then give up locking.
@@ -383,10 +427,10 @@ DiskCache::Lock DiskCache::lock(const std::string& key) const {
       return l;
     }
     struct stat now;
-    if (::fstatat(dir_fd_.get(), name.c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == st.st_dev &&
+    if (::fstatat(dir_fd_->get(), name.c_str(), &now, AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == st.st_dev &&
         now.st_ino == st.st_ino) {
       l.fd_ = std::move(fd);
-      l.dir_fd_ = dir_fd_.get();
+      l.dir_fd_ = dir_fd_->get();
       l.name_ = name;
       return l;
     }
@@ -396,7 +440,7 @@ DiskCache::Lock DiskCache::lock(const std::string& key) const {
 
 std::string DiskCache::make_work_dir() const {
   struct statvfs vfs;
-  if (!dir_fd_ || ::fstatvfs(dir_fd_.get(), &vfs) != 0 || uint64_t(vfs.f_bavail) * vfs.f_frsize < kMinFreeBytes)
+  if (!dir_fd_ || ::fstatvfs(dir_fd_->get(), &vfs) != 0 || uint64_t(vfs.f_bavail) * vfs.f_frsize < kMinFreeBytes)
     return make_private_temp_dir();
   std::string templ = dir_ + "/tmp-" + std::to_string(::getpid()) + "-XXXXXX";
   std::vector<char> buf(templ.begin(), templ.end());
@@ -407,7 +451,7 @@ std::string DiskCache::make_work_dir() const {
 
 void DiskCache::remove_stale() const {
   if (!dir_fd_) return;
-  for (const auto& n : list_dir(dir_fd_.get())) {
+  for (const auto& n : list_dir(dir_fd_->get())) {
     std::string pid;
     if (n.rfind("tmp-", 0) == 0) {
       pid = n.substr(4, n.find('-', 4) - 4);
@@ -417,14 +461,14 @@ void DiskCache::remove_stale() const {
     } else {
       continue;
     }
-    if (pid_is_dead(pid)) remove_tree_at(dir_fd_.get(), n);
+    if (pid_is_dead(pid)) remove_tree_at(dir_fd_->get(), n);
   }
 }
 
 std::vector<std::string> DiskCache::entry_names() const {
   std::vector<std::string> out;
   if (!dir_fd_) return out;
-  for (const auto& n : list_dir(dir_fd_.get()))
+  for (const auto& n : list_dir(dir_fd_->get()))
     for (const char* ext : kExtensions)
       if (ends_with(n, ext) && n.find(".tmp.") == std::string::npos) out.push_back(n);
   return out;
@@ -433,9 +477,9 @@ std::vector<std::string> DiskCache::entry_names() const {
 bool DiskCache::remove(const std::string& name) const {
   if (!dir_fd_ || name.empty() || name.find('/') != std::string::npos || name == "." || name == "..") return false;
   struct stat st;
-  if (::fstatat(dir_fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return false;
-  remove_tree_at(dir_fd_.get(), name);
-  return ::fstatat(dir_fd_.get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0;
+  if (::fstatat(dir_fd_->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return false;
+  remove_tree_at(dir_fd_->get(), name);
+  return ::fstatat(dir_fd_->get(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0;
 }
 
 namespace {
@@ -459,9 +503,9 @@ CacheReport inspect_cache(bool verify) {
     k.dir = c.dir();
     k.refused = c.refused_because();
     if (c.usable()) {
-      for (const auto& n : list_dir(c.dir_fd_.get())) {
+      for (const auto& n : list_dir(c.dir_fd_->get())) {
         struct stat st;
-        if (::fstatat(c.dir_fd_.get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
+        if (::fstatat(c.dir_fd_->get(), n.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode))
           k.bytes += static_cast<uint64_t>(st.st_size);
       }
       for (const auto& n : c.entry_names()) {
@@ -481,7 +525,7 @@ int clear_cache() {
   for (const char* kind : kKinds) {
     DiskCache c(kind);
     if (!c.usable()) continue;
-    for (const auto& n : list_dir(c.dir_fd_.get()))
+    for (const auto& n : list_dir(c.dir_fd_->get()))
       if (c.remove(n)) ++removed;
   }
   return removed;

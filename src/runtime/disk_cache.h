@@ -23,6 +23,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -138,7 +139,7 @@ class DiskCache {
   friend CacheReport inspect_cache(bool);
   friend int clear_cache();
   std::string dir_, refused_;
-  UniqueFd dir_fd_;
+  std::shared_ptr<UniqueFd> dir_fd_;  // shared with later DiskCaches of this process (disk_cache.cpp)
 };
 
 // What `optfuse cache` shows: per artifact kind ("cpu", "cuda"), where, how big, which entries

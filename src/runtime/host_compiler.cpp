@@ -9,13 +9,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <string_view>
+#include <set>
 #include <unordered_map>
 #include <memory>
 #include <mutex>
@@ -263,6 +264,20 @@ std::string loadable_path(UniqueFd fd, const Sha256::Digest& digest) {
   return "/proc/self/fd/" + std::to_string(it->second);
 }
 
+// A size-only linker flag of default_compile_flags() that not every linker knows (GNU ld and lld
+// do, gold does not): a compile whose linker rejects it is run again without it, and later
+// compiles with the same compiler and flags (`command`: the compiler's path and the flags, the
+// linker being chosen by them) leave it out from the start.
+const char* const kLayoutFlag = "-Wl,-z,noseparate-code";
+
+bool linker_rejects_layout_flag(const std::string& command, bool set = false) {
+  static std::mutex mu;
+  static std::set<std::string> rejects;
+  std::lock_guard<std::mutex> lk(mu);
+  if (set) rejects.insert(command);
+  return rejects.count(command) > 0;
+}
+
 std::string numbered_head(const std::string& source, int max_lines) {
   std::stringstream in(source);
   std::string line, out;
@@ -276,44 +291,23 @@ std::string numbered_head(const std::string& source, int max_lines) {
   return out;
 }
 
-// (cache root, key material) -> what compile_shared_object returned for it in this process. The
-// material is kept as its two parts (compiler, CPU and flags; the source) so that neither a lookup
-// nor the key's hash needs them concatenated into one more copy of the source.
+// (cache root, key) -> what compile_shared_object returned for it in this process. Found by the
+// key itself (the SHA-256 of compiler, flags and source), so nothing of the source is kept: an
+// earlier version kept each kernel's source (20-60 KB) to confirm a hit by comparing it, which
+// spared a repeated lookup the key's hash but left every later construction in the process to
+// allocate fresh pages instead of reusing freed ones (a page fault costs ~2.4 us on the machine
+// of docs/performance.md): 10-40 us per construction, more than the hash it spared.
 class VerifiedKernels {
  public:
-  struct Key {
-    const std::string& root;
-    const std::string& head;    // the length-prefixed parts before the source
-    const std::string& source;
-    size_t hash;                // memo_hash of the three
-  };
-  // Only for finding candidates: a hit is confirmed by comparing all of the text, so a sample
-  // of the source does (the first and last KB and 64 bytes of every KB): a lookup costs about
-  // 1 us instead of a pass over the 20-60 KB of a generated kernel.
-  static size_t memo_hash(const std::string& root, const std::string& head, const std::string& source) {
-    const std::hash<std::string_view> hs;
-    const std::string_view src(source);
-    size_t h = hs(root) * 31 + hs(head);
-    h = h * 31 + src.size();
-    h = h * 31 + hs(src.substr(0, 1024));
-    h = h * 31 + hs(src.substr(src.size() > 1024 ? src.size() - 1024 : 0));
-    for (size_t at = 1024; at + 1024 < src.size(); at += 1024) h = h * 31 + hs(src.substr(at, 64));
-    return h;
-  }
-  std::optional<CompileResult> find(const Key& k) {
+  std::optional<CompileResult> find(const std::string& root, const std::string& key) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto it = map_.find(k.hash);
+    auto it = map_.find(root + '\0' + key);
     if (it == map_.end()) return std::nullopt;
-    for (const Item& i : it->second)
-      if (i.source == k.source && i.head == k.head && i.root == k.root) return i.result;
-    return std::nullopt;
+    return it->second;
   }
-  void add(const Key& k, const CompileResult& r) {
+  void add(const std::string& root, const std::string& key, const CompileResult& r) {
     std::lock_guard<std::mutex> lk(mu_);
-    auto& items = map_[k.hash];
-    for (const Item& i : items)
-      if (i.source == k.source && i.head == k.head && i.root == k.root) return;
-    items.push_back(Item{k.root, k.head, k.source, r});
+    map_.emplace(root + '\0' + key, r);
   }
   void clear() {
     std::lock_guard<std::mutex> lk(mu_);
@@ -321,13 +315,49 @@ class VerifiedKernels {
   }
 
  private:
-  struct Item {
-    std::string root, head, source;
-    CompileResult result;
-  };
   std::mutex mu_;
-  std::unordered_map<size_t, std::vector<Item>> map_;
+  std::unordered_map<std::string, CompileResult> map_;
 };
+
+// What compiles with these extra flags use under the current environment ($OPTFUSE_CXX, $CXX,
+// $PATH: find_compiler's): the compiler, all flags, and the key's length-prefixed text before the
+// source (compiler path and --version, CPU features, flags). Built once per process per
+// environment and extra flags: the head is 2-3 KB, and building it cost 5-6 us per call.
+struct CompileSetup {
+  Compiler cc;
+  std::vector<std::string> flags;
+  std::string head;
+};
+
+std::shared_ptr<const CompileSetup> compile_setup(const std::vector<std::string>& extra_flags) {
+  static std::mutex mu;
+  static std::map<std::string, std::shared_ptr<const CompileSetup>> setups;
+  std::string id;
+  auto add = [&](const std::string& s) { id += std::to_string(s.size()) + ":" + s; };
+  for (const char* v : {"OPTFUSE_CXX", "CXX", "PATH"}) add(env_or_empty(v));
+  for (const std::string& f : extra_flags) add(f);
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    auto it = setups.find(id);
+    if (it != setups.end()) return it->second;
+  }
+  std::string why;
+  auto cc = find_compiler(&why);
+  if (!cc) throw BackendUnavailable("optfuse: CPU backend needs a host C++ compiler: " + why);
+  auto setup = std::make_shared<CompileSetup>();
+  setup->flags = default_compile_flags();
+  setup->flags.insert(setup->flags.end(), extra_flags.begin(), extra_flags.end());
+  // Every part is length-prefixed, so no two different lists of parts make the same text.
+  auto part = [&](const std::string& s) { setup->head += std::to_string(s.size()) + ":" + s; };
+  part("optfuse-host-so-v2");
+  part(cc->path);
+  part(cc->version);
+  part(cpu_features());
+  for (const auto& f : setup->flags) part(f);
+  setup->cc = std::move(*cc);
+  std::lock_guard<std::mutex> lk(mu);
+  return setups.emplace(id, std::move(setup)).first->second;
+}
 
 VerifiedKernels& verified_kernels() {
   static VerifiedKernels v;
@@ -356,9 +386,22 @@ const std::vector<std::string>& default_compile_flags() {
   // -ffp-contract=off: GCC contracts a*b+c into fma by default once -march=native offers FMA,
   // which changes rounding; -fno-math-errno/-fno-trapping-math keep IEEE results but let sqrt and
   // friends be inlined and vectorised.
+  // -s, -z noseparate-code and -z norelro make the shared object smaller and quicker to dlopen,
+  // not its code different: a cached entry is hashed in full (and mapped) on every first load in
+  // a process. GNU ld's default layout (-z separate-code) gives the code pages of its own, about
+  // 8 KB of padding per kernel (a 23 KB sgd kernel becomes 14 KB, two mappings instead of four);
+  // -s drops the static symbol table, about 1 KB (the entry points stay in the dynamic one);
+  // without RELRO the loader has no page to make read-only after relocating (an mprotect and a
+  // split mapping: dlopen of a 26 KB kernel 25 -> 19 us) and the file loses another ~1 KB of
+  // padding. The costs: the ELF headers and read-only data share the code's executable mapping,
+  // and the kernel's few GOT entries (the loader's own: __cxa_finalize and the like) stay
+  // writable; neither is something the cache's checks rely on. A linker that does not know
+  // -z noseparate-code (gold) links without it (kLayoutFlag below). Like every flag, these are
+  // part of the cache key.
   static const std::vector<std::string> flags = {
       "-O3", "-march=native", "-std=c++17", "-fPIC", "-shared",
-      "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off"};
+      "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
+      "-s", "-Wl,-z,noseparate-code", "-Wl,-z,norelro"};
   return flags;
 }
 
@@ -368,37 +411,26 @@ CompileResult compile_shared_object(const std::string& source,
   auto elapsed = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  std::string why;
-  auto cc = find_compiler(&why);
-  if (!cc) throw BackendUnavailable("optfuse: CPU backend needs a host C++ compiler: " + why);
-
-  std::vector<std::string> flags = default_compile_flags();
-  flags.insert(flags.end(), extra_flags.begin(), extra_flags.end());
-  // Every part is length-prefixed, so no two different lists of parts make the same text. The key
-  // is the SHA-256 of head + "<size>:" + source, hashed in two updates (the same digest as the
+  const std::shared_ptr<const CompileSetup> setup = compile_setup(extra_flags);
+  const Compiler* cc = &setup->cc;
+  const std::vector<std::string>& flags = setup->flags;
+  // The key is the SHA-256 of head + "<size>:" + source, hashed in updates (the same digest as the
   // concatenation, without copying the source).
-  std::string head;
-  auto part = [&](const std::string& s) { head += std::to_string(s.size()) + ":" + s; };
-  part("optfuse-host-so-v2");
-  for (const std::string& p : {cc->path, cc->version, cpu_features()}) part(p);
-  for (const auto& f : flags) part(f);
-  head += std::to_string(source.size()) + ":";
+  Sha256 key_hash;
+  key_hash.update(setup->head);
+  key_hash.update(std::to_string(source.size()) + ":");
+  key_hash.update(source);
+  const std::string key = to_hex(key_hash.finish());
 
   const bool use_cache = !env_flag("OPTFUSE_NO_CACHE");
   // A kernel this process already verified and loaded is not read from disk again: its bytes are
   // held by an open descriptor (loadable_path), and dlopen would return the mapped object anyway.
   const std::string root = use_cache ? cache_root() : std::string();
-  const VerifiedKernels::Key memo{root, head, source,
-                                  use_cache ? VerifiedKernels::memo_hash(root, head, source) : 0};
   if (use_cache) {
-    if (auto hit = verified_kernels().find(memo)) return {hit->so_path, true, elapsed(), hit->cache_path};
+    if (auto hit = verified_kernels().find(root, key)) return {hit->so_path, true, elapsed(), hit->cache_path};
   }
-  Sha256 key_hash;
-  key_hash.update(head);
-  key_hash.update(source);
-  const std::string key = to_hex(key_hash.finish());
   auto remember = [&](CompileResult r) {
-    if (use_cache) verified_kernels().add(memo, r);
+    if (use_cache) verified_kernels().add(root, key, r);
     return r;
   };
 
@@ -432,11 +464,28 @@ CompileResult compile_shared_object(const std::string& source,
     out.close();
     if (!out) throw Error("optfuse: cannot write " + src_path);
   }
-  std::vector<std::string> args{cc->path};
-  args.insert(args.end(), flags.begin(), flags.end());
-  args.insert(args.end(), {"-o", so_path, src_path});
+  // The key names the flags as asked for; the command leaves out the layout flag where this
+  // compiler's linker rejected it (the same choice every time for the same compiler, so the key
+  // still names one artifact).
+  auto command = [&](bool layout_flag) {
+    std::vector<std::string> args{cc->path};
+    for (const std::string& f : flags)
+      if (layout_flag || f != kLayoutFlag) args.push_back(f);
+    args.insert(args.end(), {"-o", so_path, src_path});
+    return args;
+  };
+  std::string compiler_and_flags = cc->path;
+  for (const std::string& f : flags) compiler_and_flags += '\0' + f;
+  bool layout_flag = !linker_rejects_layout_flag(compiler_and_flags);
+  std::vector<std::string> args = command(layout_flag);
   // TMPDIR: the compiler's own temporary files live (and die) with the work directory.
   ProcessResult r = run_process(args, {"TMPDIR=" + work.path});
+  if (layout_flag && (r.exit_code != 0 || r.signal != 0) && r.output.find("noseparate-code") != std::string::npos &&
+      std::find(flags.begin(), flags.end(), kLayoutFlag) != flags.end()) {
+    linker_rejects_layout_flag(compiler_and_flags, true);
+    args = command(false);
+    r = run_process(args, {"TMPDIR=" + work.path});
+  }
   UniqueFd so_fd(::open(so_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC));
   struct stat st;
   const bool produced = so_fd && ::fstat(so_fd.get(), &st) == 0 && untrusted_reason(st, false).empty() && st.st_size > 0;

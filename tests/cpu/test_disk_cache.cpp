@@ -297,6 +297,20 @@ TEST_F(DiskCacheTest, WorldWritableDirectoryIsNotUsed) {
   expect_refused_and_correct();
 }
 
+// The process keeps the cache directory it checked open (disk_cache.cpp): one removed and made
+// again under the same path while the process runs is the one used from then on.
+TEST_F(DiskCacheTest, CacheDirectoryRemovedWhileRunningIsCreatedAgain) {
+  make_entry();
+  remove_tree(cache_);
+  seen_.clear();
+  const std::string entry = make_entry();  // compiled again: the entry is gone with the directory
+  EXPECT_EQ(entry.rfind(cache_ + "/cpu/", 0), 0u) << entry;
+  EXPECT_TRUE(exists(entry));
+  auto [status, diff] = step_vs_reference();
+  EXPECT_NE(status.find("cached"), std::string::npos) << status;
+  EXPECT_LE(diff, 1e-5);
+}
+
 TEST_F(DiskCacheTest, EntryOwnedByAnotherUserIsNotLoaded) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
   std::string entry = make_entry();  // a perfect entry, only its owner is wrong

@@ -101,6 +101,20 @@ TEST_F(HostCompilerTest, FlagsAndSourceArePartOfTheKey) {
   EXPECT_NE(a.cache_path, c.cache_path);
 }
 
+// default_compile_flags() asks the linker for -z noseparate-code, which gold does not know: a
+// compile linked by gold goes on without it, the first time and from then on.
+TEST_F(HostCompilerTest, LinkerWithoutTheLayoutFlagStillLinks) {
+  struct stat st;
+  if (::stat("/usr/bin/ld.gold", &st) != 0) GTEST_SKIP() << "no /usr/bin/ld.gold to link with";
+  for (const char* extra : {"", "// again\n"}) {
+    CompileResult r = compile_shared_object(std::string(kAddSource) + extra, {"-fuse-ld=gold"});
+    EXPECT_FALSE(r.from_cache);
+    SharedLibrary lib(r.so_path);
+    EXPECT_EQ(reinterpret_cast<int (*)(int, int)>(lib.symbol("add"))(2, 3), 5);
+  }
+  EXPECT_TRUE(compile_shared_object(kAddSource, {"-fuse-ld=gold"}).from_cache);
+}
+
 TEST_F(HostCompilerTest, NoCacheEnvBypassesCache) {
   ScopedEnv no_cache("OPTFUSE_NO_CACHE", "1");
   CompileResult a = compile_shared_object(kAddSource);
