@@ -34,10 +34,14 @@ def hyper_values(group, counters=()):
 
 
 def structure(group, counters=()):
-    """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings)."""
+    """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings),
+    and the dimensionalities of its parameters: a step may be other math for vectors than for matrices
+    (timm's AdamP, SGDP, Mars), so a rule traced on a group of vectors only (the biases of a
+    weight-decay split) must never step a group of matrices with the same options."""
     h = hyper_values(group, counters)
+    dims = tuple(sorted({p.dim() for p in group.get("params", ()) if torch.is_tensor(p)}))
     return tuple((k, repr(v)) for k, v in sorted(group.items())
-                 if k != "params" and k not in counters and k not in h and f"{k}_0" not in h)
+                 if k != "params" and k not in counters and k not in h and f"{k}_0" not in h) + (("params.dim()", dims),)
 
 
 def _group_number(v):
