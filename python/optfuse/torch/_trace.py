@@ -85,6 +85,16 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
                 t = torch.rand_like(q) + 0.5
                 rec.bind(t, b.state(k), kind)
                 st[k] = t
+            for k, tmpl in layout.scalar_states.items():
+                # the IR's uniform state k (one value per group: the group's parameters step together);
+                # another parameter's is foreign, as its values are
+                foreign = None if kind == "element" else f"state '{k}' of another parameter"
+                if torch.is_tensor(tmpl):
+                    t = tmpl.clone()
+                    rec.bind(t, b.uniform_state(k), "uniform" if foreign is None else "foreign")
+                    st[k] = t
+                else:
+                    st[k] = SymFloat(float(tmpl), b.uniform_state(k), paths, foreign)
             if layout.step_key is not None:
                 before = b.step() - 1.0
                 if layout.step_is_tensor:
@@ -128,6 +138,23 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
     # a slot this path sets to None (timm SGDW's momentum buffer on a momentum == 0 path, where the probe
     # stepped with momentum) is not written on it: the state keeps its value, which the path never reads
     states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if st.get(k) is not None}
+    for k in layout.scalar_states:
+        v = st.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, (bool, SymFloat)):
+            states[("uniform", k)] = b.constant(float(v))
+            continue
+        if torch.is_tensor(v):
+            hit = rec.expr.get(rec.key(v))
+            if hit is None and v.numel() == 1 and v.dim() == 0:
+                hit = (b.constant(float(v)), "uniform")
+            if hit is not None and hit[1] not in ("uniform", "foreign"):
+                raise TraceError(f"{type(opt).__name__} keeps a per-parameter scalar state '{k}' computed from the "
+                                 "tensor's values (a norm, a mean or math on one): the IR keeps per-group uniform "
+                                 "states (of hyperparameters and the step) only, not a scalar per tensor; not "
+                                 "traceable yet")
+        states[("uniform", k)] = expr_of(v, f"the scalar state '{k}'")
     return expr_of(p, "the parameter"), states, paths.seen
 
 
@@ -194,6 +221,11 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
     return run([])
 
 
+def _before(b, k):
+    """A state's value before the step: k a per-element state's name, or ("uniform", name)."""
+    return b.uniform_state(k[1]) if isinstance(k, tuple) else b.state(k)
+
+
 def traced_rule(opt, group):
     """An optfuse Rule equivalent to one step of `opt` on a parameter of `group` (TraceError if not)."""
     # The rule's update function runs when the rule is compiled, later: it traces the group as it is
@@ -207,6 +239,8 @@ def traced_rule(opt, group):
         rule.hyper(k, v)
     for k in layout.states:
         rule.state(k, 0.0)
+    for k in layout.scalar_states:
+        rule.uniform_state(k, 0.0)
 
     traced_dim = len(probe_shape(group))
     others = {}  # another dimensionality in the group -> a probe shape of it
@@ -259,7 +293,7 @@ def traced_rule(opt, group):
             def pick(m, v):
                 return _core.select(is_mat, m, v)
             (p_first, s_first), (p_later, s_later) = [
-                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, b.state(k)), vt[1].get(k, b.state(k)))
+                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, _before(b, k)), vt[1].get(k, _before(b, k)))
                                       for k in set(mt[1]) | set(vt[1])})
                 for mt, vt in zip(mat, vec)]
         else:
@@ -268,6 +302,10 @@ def traced_rule(opt, group):
         for k in layout.states:
             later = s_later.get(k, b.state(k))
             b.set_state(k, _core.select(is_first, s_first[k], later) if k in s_first else later)
+        for name in layout.scalar_states:
+            k = ("uniform", name)
+            later = s_later.get(k, b.uniform_state(name))
+            b.set_uniform_state(name, _core.select(is_first, s_first[k], later) if k in s_first else later)
         b.set_param_base(_core.select(is_first, p_first, p_later))
         return b.constant(0.0)
 

@@ -64,6 +64,11 @@ class _Layout:
         self.counters, self.group_states = _group_writes(type(opt).__name__, seen)
         st = probe.state.get(p, {})
         self.states, self.step_key, self.step_is_tensor = [], None, False
+        # scalar states per parameter (LaProp's exp_avg_lr_1, NAdamLegacy's m_schedule, QHAdam's
+        # beta1_weight): their value after two steps, as the template of their type, shape and dtype.
+        # Traced as the IR's uniform states where the step computes them from hyperparameters, the step
+        # and their own value only; one computed from the tensor's values (a norm) is refused (_trace_once)
+        self.scalar_states = {}
         for k, v in st.items():
             if v is None:  # a slot the optimizer does not use with these options (SGDW's buffer without momentum)
                 continue
@@ -71,6 +76,9 @@ class _Layout:
                 self.states.append(k)
             elif k == "step" and (torch.is_tensor(v) or _numeric(v)):
                 self.step_key, self.step_is_tensor = k, torch.is_tensor(v)
+            elif (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.dim() <= 1
+                  and v.dtype in (torch.float32, torch.float64)):
+                self.scalar_states[k] = _private(v)
             else:
                 raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
                                  f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "

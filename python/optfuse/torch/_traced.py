@@ -1,5 +1,6 @@
 """fuse() for optimizers without a hand-written drop-in: their step traced into a rule (_trace.py),
 run by the same engine as every optfuse.torch optimizer, and checked against the original first."""
+import math
 import weakref
 
 import torch
@@ -87,6 +88,25 @@ class Traced(FusedOptimizer):
                             g[k] = type(g.get(k, 0))(max(counts))
         return loss
 
+    def state_dict(self):
+        sd = super().state_dict()
+        # scalar states per parameter (the rule's uniform states) in the original's format: a Python
+        # number where it keeps one (LaProp's exp_avg_lr_1), else a tensor of its shape and dtype
+        scalars = {}
+        for _, layout in self._rules.values():
+            scalars.update(layout.scalar_states)
+        if scalars:
+            for st in sd["state"].values():
+                for k, tmpl in scalars.items():
+                    v = st.get(k)
+                    if not torch.is_tensor(v):
+                        continue
+                    if torch.is_tensor(tmpl):
+                        st[k] = v.detach().to(dtype=tmpl.dtype).reshape(tmpl.shape).clone()
+                    else:
+                        st[k] = type(tmpl)(v.item())
+        return sd
+
     def _sync_steps(self, write_state=False):
         super()._sync_steps(write_state)
         layout = self._layout() if self._rules else None
@@ -169,6 +189,13 @@ def _verify_one(original, traced_rules, gi, g, shape, gen, counters=frozenset())
                              f"{VERIFY_STEPS} traced steps, {ref.param_groups[0].get(k)} after the original's")
     for k, v in ref.state[rp].items():
         w = ours.state[q].get(k)
+        if k != "step" and (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.shape != rp.shape):
+            # a scalar state per parameter (a uniform state of the rule)
+            a, r = float(w) if w is not None else math.nan, float(v)
+            if not abs(a - r) <= VERIFY_TOL * max(abs(r), 1e-30):
+                raise TraceError(f"the traced scalar state '{k}' of group {gi} is {a!r} after {VERIFY_STEPS} steps, "
+                                 f"{r!r} after the original's")
+            continue
         if torch.is_tensor(v) and v.shape == rp.shape and not _max_rel(w, v) <= VERIFY_TOL:
             raise TraceError(f"the traced state '{k}' of group {gi} differs from the original after "
                              f"{VERIFY_STEPS} steps (max relative difference {_max_rel(w, v):.3g})")
