@@ -872,3 +872,55 @@ def test_a_norm_of_a_value_made_from_a_norm_is_a_second_reduce_pass(device):
     d, ours = _match(lambda ps: TwoLevelNorms(ps), device)
     assert d <= tol(device), d
     assert "3 pass(es) over memory" in oft.explain(ours)
+
+
+@pytest.mark.parametrize("which", ["timm-lamb", "timm-lambw", "timm-lars", "lion_pytorch"])
+def test_classes_with_a_drop_in_are_routed_to_it_mid_training(which):
+    """fuse() of timm's Lamb and Lars and lion-pytorch's Lion is optfuse's drop-in (no trace), with their
+    state and param groups: 5 steps of the original, fuse(), 15 more equal 20 of the original."""
+    device = torch.device("cpu")
+    if which == "lion_pytorch":
+        L = pytest.importorskip("lion_pytorch")
+        make, drop_in = (lambda ps: L.Lion(ps, lr=1e-3, weight_decay=0.1)), oft.Lion
+    else:
+        T = pytest.importorskip("timm.optim")
+        name = which.split("-")[1]
+        make = lambda ps: T.create_optimizer_v2(ps, opt=name, lr=1e-2, weight_decay=0.05)  # noqa: E731
+        drop_in = oft.Lars if "lars" in name else oft.Lamb
+    model = make_model(device)
+    ref_model = twin(model)
+    ref = make(ref_model.parameters())
+    train(ref_model, ref, STEPS, device)
+    first = make(model.parameters())
+    train(model, first, 5, device)
+    ours = oft.fuse(first)
+    assert type(ours) is drop_in
+    train(model, ours, STEPS - 5, device, start=5)
+    assert rel_diff(model, ref_model) <= TOL
+
+
+def test_a_drop_in_that_lacks_an_option_is_not_used():
+    """timm Lamb with caution=True (the drop-in refuses it) and lion-pytorch's Lion with
+    decoupled_weight_decay: traced instead, so matched or refused at fuse(), never failing at a step."""
+    device = torch.device("cpu")
+    cases = []
+    T = pytest.importorskip("timm.optim")
+    cases.append(lambda ps: T.Lamb(ps, lr=1e-2, caution=True))
+    try:
+        import lion_pytorch as L
+        cases.append(lambda ps: L.Lion(ps, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=True))
+    except ImportError:
+        pass
+    for make in cases:
+        model = make_model(device)
+        ref_model = twin(model)
+        try:
+            ours = oft.fuse(make(model.parameters()))
+        except optfuse.OptfuseError as e:
+            assert "cannot be fused" in str(e)
+            continue
+        assert type(ours).__name__ == "Traced"
+        ref = make(ref_model.parameters())
+        train(model, ours, STEPS, device)
+        train(ref_model, ref, STEPS, device)
+        assert rel_diff(model, ref_model) <= TOL
