@@ -66,6 +66,8 @@ CASES = [
     ("MyAdam-groups", lambda ps: MyAdam(ps, lr=1e-2, weight_decay=0.1, foreach=False)),
     # scalar states per parameter (a 0-dim tensor, a Python float): the rule's uniform states
     ("ScalarState", lambda ps: ScalarState(ps)),
+    # states the generated kernel cannot declare under their own names (AdamG's 'v'): renamed in the rule
+    ("OddStateNames", lambda ps: OddStateNames(ps)),
 ]
 
 
@@ -180,6 +182,20 @@ class ScalarState(_PlainLr):
                 p.add_(p.grad * st["prod"], alpha=-st["avg_lr"])
 
 
+class OddStateNames(_PlainLr):
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if "v" not in st:
+                    st["v"], st["int"], st["m::scale"] = (torch.zeros_like(p) for _ in range(3))
+                st["v"].mul_(0.9).add_(p.grad)
+                st["int"].mul_(0.5).add_(p.grad.abs())
+                st["m::scale"].add_(1.0)
+                p.add_(st["v"] / (st["int"] + 1.0) / st["m::scale"], alpha=-g["lr"])
+
+
 class NormState(_PlainLr):
     """A per-parameter 0-dim state computed from the tensor's values (NovoGrad's norm average): the IR
     keeps no scalar per tensor across steps."""
@@ -188,14 +204,14 @@ class NormState(_PlainLr):
         for g in self.param_groups:
             for p in g["params"]:
                 st = self.state[p]
-                if "n" not in st:
-                    st["n"] = torch.zeros(())
-                st["n"].mul_(0.9).add_(p.grad.norm())
-                p.add_(p.grad / (st["n"] + 1e-8), alpha=-g["lr"])
+                if "nrm" not in st:
+                    st["nrm"] = torch.zeros(())
+                st["nrm"].mul_(0.9).add_(p.grad.norm())
+                p.add_(p.grad / (st["nrm"] + 1e-8), alpha=-g["lr"])
 
 
 @pytest.mark.parametrize("make,match", [
-    (lambda ps: NormState(ps), "NormState.*scalar state 'n' computed from the tensor's values"),
+    (lambda ps: NormState(ps), "NormState.*scalar state 'nrm' computed from the tensor's values"),
     (lambda ps: torch.optim.LBFGS(ps), "LBFGS.*closure"),
     (lambda ps: ItemOnData(ps), "ItemOnData.*(max|item)"),
     (lambda ps: BranchOnData(ps), "BranchOnData.*(control flow|any)"),

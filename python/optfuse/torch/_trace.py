@@ -83,7 +83,7 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
             st = probe.state[q]
             for k in layout.states:
                 t = torch.rand_like(q) + 0.5
-                rec.bind(t, b.state(k), kind)
+                rec.bind(t, b.state(layout.slots[k]), kind)
                 st[k] = t
             for k, tmpl in layout.scalar_states.items():
                 # the IR's uniform state k (one value per group: the group's parameters step together);
@@ -221,9 +221,9 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
     return run([])
 
 
-def _before(b, k):
+def _before(b, k, slots):
     """A state's value before the step: k a per-element state's name, or ("uniform", name)."""
-    return b.uniform_state(k[1]) if isinstance(k, tuple) else b.state(k)
+    return b.uniform_state(k[1]) if isinstance(k, tuple) else b.state(slots[k])
 
 
 def traced_rule(opt, group):
@@ -238,7 +238,7 @@ def traced_rule(opt, group):
     for k, v in hyper_values(group, layout.counters).items():
         rule.hyper(k, v)
     for k in layout.states:
-        rule.state(k, 0.0)
+        rule.state(layout.slots[k], 0.0)
     for k in layout.scalar_states:
         rule.uniform_state(k, 0.0)
 
@@ -293,15 +293,15 @@ def traced_rule(opt, group):
             def pick(m, v):
                 return _core.select(is_mat, m, v)
             (p_first, s_first), (p_later, s_later) = [
-                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, _before(b, k)), vt[1].get(k, _before(b, k)))
+                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, _before(b, k, layout.slots)), vt[1].get(k, _before(b, k, layout.slots)))
                                       for k in set(mt[1]) | set(vt[1])})
                 for mt, vt in zip(mat, vec)]
         else:
             (p_first, s_first), (p_later, s_later) = traces[traced_dim]
         is_first = b.step() == 1.0
         for k in layout.states:
-            later = s_later.get(k, b.state(k))
-            b.set_state(k, _core.select(is_first, s_first[k], later) if k in s_first else later)
+            later = s_later.get(k, b.state(layout.slots[k]))
+            b.set_state(layout.slots[k], _core.select(is_first, s_first[k], later) if k in s_first else later)
         for name in layout.scalar_states:
             k = ("uniform", name)
             later = s_later.get(k, b.uniform_state(name))

@@ -6,6 +6,8 @@ step count (per parameter or in the group: group_counters) and the values the st
 group. hyper_values and structure split a param group into the rule's hyperparameters and the options
 a trace depends on otherwise; _traced.py keys its traced rules on them.
 """
+import re
+
 import torch
 
 from ._trace_values import TraceError
@@ -83,9 +85,40 @@ class _Layout:
                 raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
                                  f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "
                                  "a tensor of the parameter's shape nor the step count: not traceable yet")
+        # the rule's name of each state: the generated kernel declares states as C++ variables of their
+        # names, so a name that is not an identifier, is a C++ keyword or one of the kernel's own
+        # variables (AdamG's state 'v') gets another (Traced maps it back to the original's key)
+        self.slots, taken = {}, set()
+        for k in self.states:
+            name = k if _safe_identifier(k) else "state_" + re.sub(r"\W", "_", k)
+            while name in taken or name in self.states and name != k:
+                name += "_"
+            taken.add(name)
+            self.slots[k] = name
+        for k in self.scalar_states:
+            if not _safe_identifier(k):
+                raise TraceError(f"{type(opt).__name__} keeps a per-parameter scalar state named {k!r}, which optfuse's "
+                                 "generated kernels cannot declare (not an identifier, or a name the kernel uses itself)")
         if self.counters and self.step_key is not None:
             raise TraceError(f"{type(opt).__name__} keeps a step count both per parameter (state '{self.step_key}') "
                              f"and in the param group ({', '.join(self.counters)}): not traceable yet")
+
+
+# C++ keywords and the names the generated kernels declare themselves (their arguments and locals)
+_RESERVED = frozenset("""
+alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t char32_t class compl const
+constexpr const_cast continue decltype default delete do double dynamic_cast else enum explicit export extern
+false float for friend goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or
+or_eq private protected public register reinterpret_cast return short signed sizeof static static_assert
+static_cast struct switch template this thread_local throw true try typedef typeid typename union unsigned
+using virtual void volatile wchar_t while xor xor_eq restrict
+v u acc st red out sums shape derived reductions param grad i j k n x y p g e s idx row col rows cols numel
+""".split())
+
+
+def _safe_identifier(name):
+    return (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None and name not in _RESERVED
+            and re.fullmatch(r"(t|upd_|of_|OF_).*", name) is None)
 
 
 def _group_writes(cls, seen):

@@ -42,6 +42,14 @@ class Traced(FusedOptimizer):
         self._rules[key] = entry
         return entry
 
+    def _states_for(self, p, st, engine, prec):
+        # the original's state keys for the rule's slots (a name the kernel cannot declare was renamed)
+        back = {}
+        for _, layout in self._rules.values():
+            back.update({slot: k for k, slot in layout.slots.items()})
+        engine.state_names = [back.get(s, s) for s in engine.core.state_names]
+        return super()._states_for(p, st, engine, prec)
+
     def _layout(self):
         return next(iter(self._rules.values()))[1]
 
