@@ -68,6 +68,8 @@ CASES = [
     ("ScalarState", lambda ps: ScalarState(ps)),
     # states the generated kernel cannot declare under their own names (AdamG's 'v'): renamed in the rule
     ("OddStateNames", lambda ps: OddStateNames(ps)),
+    # a 0-dim state computed from the tensor's values (NovoGrad's norm average): a slot holding it per element
+    ("NormState", lambda ps: NormState(ps)),
 ]
 
 
@@ -197,8 +199,7 @@ class OddStateNames(_PlainLr):
 
 
 class NormState(_PlainLr):
-    """A per-parameter 0-dim state computed from the tensor's values (NovoGrad's norm average): the IR
-    keeps no scalar per tensor across steps."""
+    """A per-parameter 0-dim state computed from the tensor's values (NovoGrad's norm average)."""
     @torch.no_grad()
     def step(self):
         for g in self.param_groups:
@@ -210,13 +211,26 @@ class NormState(_PlainLr):
                 p.add_(p.grad / (st["nrm"] + 1e-8), alpha=-g["lr"])
 
 
+class DictState(_PlainLr):
+    """A state that is a dict of buffers (pytorch-optimizer's AggMo)."""
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                bufs = st.setdefault("bufs", {0.5: torch.zeros_like(p), 0.9: torch.zeros_like(p)})
+                for beta, buf in bufs.items():
+                    buf.mul_(beta).add_(p.grad)
+                    p.add_(buf, alpha=-g["lr"] / 2)
+
+
 @pytest.mark.parametrize("make,match", [
-    (lambda ps: NormState(ps), "NormState.*scalar state 'nrm' computed from the tensor's values"),
+    (lambda ps: DictState(ps), "DictState.*state 'bufs' \\(dict\\)"),
     (lambda ps: torch.optim.LBFGS(ps), "LBFGS.*closure"),
     (lambda ps: ItemOnData(ps), "ItemOnData.*(max|item)"),
     (lambda ps: BranchOnData(ps), "BranchOnData.*(control flow|any)"),
     (lambda ps: Indexing(ps), "Indexing.*indexing"),
-], ids=["per-tensor-scalar-state", "LBFGS", "item", "branch-on-data", "indexing"])
+], ids=["dict-state", "LBFGS", "item", "branch-on-data", "indexing"])
 def test_refused_with_the_reason(make, match):
     model = make_model(torch.device("cpu"))
     train(model, make(model.parameters()), 1, torch.device("cpu")) if "LBFGS" not in match else None
@@ -940,3 +954,28 @@ def test_a_drop_in_that_lacks_an_option_is_not_used():
         train(model, ours, STEPS, device)
         train(ref_model, ref, STEPS, device)
         assert rel_diff(model, ref_model) <= TOL
+
+
+@pytest.mark.parametrize("cls", [NormState, ScalarState], ids=["per-tensor", "uniform"])
+def test_scalar_states_mid_training_and_back(cls):
+    """5 steps of the original, fuse() takes over its scalar states (a 0-dim tensor, a float), 10 more; the
+    original class loads the fused state dict and steps 5 more: all equal to 20 original steps."""
+    device = torch.device("cpu")
+    model = make_model(device)
+    ref_model = twin(model)
+    train(ref_model, cls(ref_model.parameters()), STEPS, device)
+    first = cls(model.parameters())
+    train(model, first, 5, device)
+    fused = oft.fuse(first)
+    train(model, fused, 10, device, start=5)
+    sd = fused.state_dict()
+    for st in sd["state"].values():
+        for k, v in st.items():
+            if k in ("nrm", "prod"):
+                assert torch.is_tensor(v) and v.shape == () and v.dtype == torch.float32, (k, v)
+            if k == "avg_lr":
+                assert type(v) is float
+    back = cls(model.parameters())
+    back.load_state_dict(sd)
+    train(model, back, 5, device, start=15)
+    assert rel_diff(model, ref_model) <= TOL

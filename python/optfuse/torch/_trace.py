@@ -82,8 +82,12 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
         if not first:
             st = probe.state[q]
             for k in layout.states:
-                t = torch.rand_like(q) + 0.5
-                rec.bind(t, b.state(layout.slots[k]), kind)
+                if k in layout.tensor_scalars:  # a value per tensor, kept in every element of its slot
+                    t = layout.tensor_scalars[k].clone()
+                    rec.bind(t, b.state(layout.slots[k]), "tensor" if kind == "element" else kind)
+                else:
+                    t = torch.rand_like(q) + 0.5
+                    rec.bind(t, b.state(layout.slots[k]), kind)
                 st[k] = t
             for k, tmpl in layout.scalar_states.items():
                 # the IR's uniform state k (one value per group: the group's parameters step together);

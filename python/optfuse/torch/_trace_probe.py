@@ -65,12 +65,19 @@ class _Layout:
             seen.append({k: _private(v) for k, v in g.items()})
         self.counters, self.group_states = _group_writes(type(opt).__name__, seen)
         st = probe.state.get(p, {})
+        # the same two steps on other values: a scalar state that differs is computed from the tensor's
+        # values (NovoGrad's average of the gradient's squared norm), one that does not is uniform
+        probe2, p2 = _probe(opt, group, None)
+        for _ in range(2):
+            p2.grad = torch.randn_like(p2)
+            probe2.step()
+        st2 = probe2.state.get(p2, {})
         self.states, self.step_key, self.step_is_tensor = [], None, False
         # scalar states per parameter (LaProp's exp_avg_lr_1, NAdamLegacy's m_schedule, QHAdam's
         # beta1_weight): their value after two steps, as the template of their type, shape and dtype.
         # Traced as the IR's uniform states where the step computes them from hyperparameters, the step
         # and their own value only; one computed from the tensor's values (a norm) is refused (_trace_once)
-        self.scalar_states = {}
+        self.scalar_states, self.tensor_scalars = {}, {}
         for k, v in st.items():
             if v is None:  # a slot the optimizer does not use with these options (SGDW's buffer without momentum)
                 continue
@@ -80,7 +87,13 @@ class _Layout:
                 self.step_key, self.step_is_tensor = k, torch.is_tensor(v)
             elif (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.dim() <= 1
                   and v.dtype in (torch.float32, torch.float64)):
-                self.scalar_states[k] = _private(v)
+                if torch.is_tensor(v) and not _same(v, st2.get(k)):
+                    # a value per tensor: a slot of the parameter's shape holding it in every element, read
+                    # as a per-tensor value (kind "tensor"); the original's format in the state dict
+                    self.tensor_scalars[k] = _private(v)
+                    self.states.append(k)
+                else:
+                    self.scalar_states[k] = _private(v)
             else:
                 raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
                                  f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "

@@ -48,7 +48,18 @@ class Traced(FusedOptimizer):
         for _, layout in self._rules.values():
             back.update({slot: k for k, slot in layout.slots.items()})
         engine.state_names = [back.get(s, s) for s in engine.core.state_names]
+        for k in self._tensor_scalars():
+            v = st.get(k)
+            if torch.is_tensor(v) and v.shape != p.shape and v.numel() == 1:
+                # the original's value per tensor (a mid-training fuse, a loaded state dict): in every element
+                st[k] = torch.full_like(p, float(v), dtype=p.dtype if p.is_floating_point() else torch.float32)
         return super()._states_for(p, st, engine, prec)
+
+    def _tensor_scalars(self):
+        out = {}
+        for _, layout in self._rules.values():
+            out.update(layout.tensor_scalars)
+        return out
 
     def _layout(self):
         return next(iter(self._rules.values()))[1]
@@ -56,11 +67,12 @@ class Traced(FusedOptimizer):
     def _initial_step(self, state):
         # an optimizer that keeps no step count: a parameter whose state exists has stepped
         layout = self._layout()
-        return 1 if layout.states and all(k in state for k in layout.states) else 0
+        keys = layout.states + list(layout.scalar_states)
+        return 1 if keys and all(k in state for k in keys) else 0
 
     def _adjust_step(self, state, step, engine):
         layout = self._layout()
-        if layout.step_key is None and not all(k in state for k in layout.states):
+        if layout.step_key is None and not all(k in state for k in layout.states + list(layout.scalar_states)):
             return 0  # no state yet: the first-step trace (the optimizer creates it) applies
         return step
 
@@ -71,7 +83,7 @@ class Traced(FusedOptimizer):
             st = self.state.get(p) or {}
             layout = self._layout()
             g = self._group_of[p]
-            has_state = all(k in st for k in layout.states)  # an optimizer without states: always
+            has_state = all(k in st for k in layout.states + list(layout.scalar_states))  # (none: always)
             self._steps[p] = int(g.get(self._counters[0], 0)) if has_state else 0
         return super()._step_of(p)
 
@@ -100,7 +112,7 @@ class Traced(FusedOptimizer):
         sd = super().state_dict()
         # scalar states per parameter (the rule's uniform states) in the original's format: a Python
         # number where it keeps one (LaProp's exp_avg_lr_1), else a tensor of its shape and dtype
-        scalars = {}
+        scalars = self._tensor_scalars()
         for _, layout in self._rules.values():
             scalars.update(layout.scalar_states)
         if scalars:
@@ -109,8 +121,8 @@ class Traced(FusedOptimizer):
                     v = st.get(k)
                     if not torch.is_tensor(v):
                         continue
-                    if torch.is_tensor(tmpl):
-                        st[k] = v.detach().to(dtype=tmpl.dtype).reshape(tmpl.shape).clone()
+                    if torch.is_tensor(tmpl):  # (a value per tensor: any element of its slot)
+                        st[k] = v.detach().reshape(-1)[:1].to(dtype=tmpl.dtype).reshape(tmpl.shape).clone()
                     else:
                         st[k] = type(tmpl)(v.item())
         return sd
@@ -199,7 +211,7 @@ def _verify_one(original, traced_rules, gi, g, shape, gen, counters=frozenset())
         w = ours.state[q].get(k)
         if k != "step" and (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.shape != rp.shape):
             # a scalar state per parameter (a uniform state of the rule)
-            a, r = float(w) if w is not None else math.nan, float(v)
+            a, r = float(w.reshape(-1)[0]) if torch.is_tensor(w) else float(w) if w is not None else math.nan, float(v)
             if not abs(a - r) <= VERIFY_TOL * max(abs(r), 1e-30):
                 raise TraceError(f"the traced scalar state '{k}' of group {gi} is {a!r} after {VERIFY_STEPS} steps, "
                                  f"{r!r} after the original's")
