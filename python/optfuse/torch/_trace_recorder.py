@@ -119,8 +119,9 @@ class _Recorder(_Reductions, TorchFunctionMode):
     def record(self, name, args, kw, out, where):
         b = self.b
         base = name[2:-2] if name.startswith("__") and name.endswith("__") else name
-        inplace = base.endswith("_") and base != "_" or base.startswith("i") and name.startswith("__i")
-        if name.startswith("__i"):
+        augmented = name.startswith("__i") and name != "__invert__"  # x += y, x &= y (not ~x)
+        inplace = base.endswith("_") and base != "_" or augmented
+        if augmented:
             base = base[1:]
         elif name.startswith("__r") and base[1:] in ("add", "sub", "mul", "truediv", "div", "pow"):
             args = (args[1], args[0]) + tuple(args[2:])
@@ -236,6 +237,35 @@ class _Recorder(_Reductions, TorchFunctionMode):
             if base.startswith("new_"):
                 E(0)
             res, rk = self.of(fill, where)
+        elif base in ("and", "or", "xor", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+                      "bitwise_xor") and (len(args) >= 2 or "other" in kw):
+            # of conditions (bool tensors: comparisons' results) only: on integers & and | are bitwise
+            other = arg(1, "other")
+            for v in (args[0], other):
+                if not (isinstance(v, bool) or torch.is_tensor(v) and v.dtype == torch.bool) and not base.startswith("logical"):
+                    raise TraceError(f"'{name}' of a non-boolean value at {where}: bitwise math is not traceable")
+            (x, kx), (y, ky) = E(0), self.of(other, where)
+            x, y = x != 0.0, y != 0.0
+            op = base.replace("logical_", "").replace("bitwise_", "")
+            res = (_core.logical_and(x, y) if op == "and" else _core.logical_or(x, y) if op == "or"
+                   else _core.logical_and(_core.logical_or(x, y), _core.logical_not(_core.logical_and(x, y))))
+            rk = kind(kx, ky)
+        elif base in ("logical_not", "invert", "bitwise_not") and args:
+            if base != "logical_not" and not (torch.is_tensor(args[0]) and args[0].dtype == torch.bool):
+                raise TraceError(f"'{name}' of a non-boolean value at {where}: bitwise math is not traceable")
+            e, k = E(0)
+            res, rk = _core.logical_not(e != 0.0), k
+        elif base == "nan_to_num" and args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            # NaN -> nan (0), +inf -> posinf (the dtype's largest), -inf -> neginf (its lowest)
+            e, k = E(0)
+            fi = torch.finfo(args[0].dtype)
+            nan, pinf, ninf = (arg(i, key, None) for i, key in ((1, "nan"), (2, "posinf"), (3, "neginf")))
+            nan = self.of(0.0 if nan is None else nan, where)[0]
+            pinf = self.of(fi.max if pinf is None else pinf, where)[0]
+            ninf = self.of(fi.min if ninf is None else ninf, where)[0]
+            res = _core.select(e != e, nan, _core.select(e == float("inf"), pinf,
+                                                         _core.select(e == -float("inf"), ninf, e)))
+            rk = k
         elif base == "cosine_similarity":
             res, rk = self.cosine(args, kw, where)
         elif base in ("zero", "fill"):
