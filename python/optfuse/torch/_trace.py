@@ -129,6 +129,8 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
     def expr_of(t, what):
         if isinstance(t, SymFloat):
             return t.expr
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            return b.constant(float(t))  # (a state set to a number on this path: pytorch-optimizer Lamb's norms)
         hit = rec.expr.get(rec.key(t))
         if hit is None:
             raise TraceError(f"{what} after the step is a tensor the trace did not produce")
