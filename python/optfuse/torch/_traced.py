@@ -6,6 +6,7 @@ import weakref
 import torch
 
 from ._base import FusedOptimizer, OptfuseError
+from ._trace_values import _frame_of
 from ._trace import TraceError, _probe, group_counters, hyper_values, structure, traced_rule
 
 VERIFY_STEPS = 6       # steps of the original and the traced optimizer side by side on probes
@@ -235,7 +236,9 @@ def fuse_by_tracing(opt):
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: {e}") from None
     except Exception as e:  # noqa: BLE001  (the optimizer's own code failed on the probe)
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: tracing its step raised "
-                           f"{type(e).__name__}: {e}") from e
+                           f"{type(e).__name__}: {e} at {_frame_of(e)} (its step on a probe parameter: one that "
+                           "reads what its own code did not make for that parameter, such as state made outside "
+                           "step() or kept in opt.state under a key that is no parameter, is not traceable)") from e
     new = _new_traced(opt, opt.param_groups, dict(opt.defaults), rules, counters)
     for p, st in opt.state.items():
         new.state[p] = dict(st)
