@@ -83,7 +83,7 @@ class _Recorder(_Reductions, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in ("__getitem__", "__setitem__", "index_put_", "masked_fill_", "scatter_", "index_copy_"):
+        if name in ("__getitem__", "__setitem__", "index_put_", "scatter_", "index_copy_"):
             raise TraceError(f"indexing ('{name}') at {_where()} is not traceable: the update must be element-wise")
         if name.startswith("_foreach_"):
             # a multi-tensor op returns a list (or None in place): it would escape the recorder unseen
@@ -266,6 +266,25 @@ class _Recorder(_Reductions, TorchFunctionMode):
             res = _core.select(e != e, nan, _core.select(e == float("inf"), pinf,
                                                          _core.select(e == -float("inf"), ninf, e)))
             rk = k
+        elif base == "masked_fill" and args and torch.is_tensor(args[0]):
+            # x where not mask, value where mask (FTRL's p.masked_fill_(|z| <= lambda_1, 0)): element-wise
+            mask = arg(1, "mask")
+            if not (torch.is_tensor(mask) and mask.dtype == torch.bool
+                    and (tuple(mask.shape) == tuple(args[0].shape) or mask.numel() == 1)):
+                raise TraceError(f"masked_fill at {where} with a mask that is not a boolean tensor of the tensor's "
+                                 "shape: not traceable")
+            (x, kx), (m, km), (v, kv) = E(0), self.of(mask, where), self.of(arg(2, "value"), where)
+            res, rk = _core.select(m != 0.0, v, x), kind(kx, km, kv)
+        elif base == "normalize" and args and torch.is_tensor(args[0]):
+            # F.normalize(x, p, dim, eps): x / max(norm(x, p, dim, keepdim=True), eps) (TAM's)
+            if kw.get("out") is not None:
+                raise TraceError(f"normalize at {where} with out=: not traceable")
+            pn, dim, eps = arg(1, "p", 2.0), arg(2, "dim", 1), arg(3, "eps", 1e-12)
+            n, nk = self.reduction("norm", "norm", (args[0], pn, dim, True), {}, where)
+            e, k = E(0)
+            res, rk = e / _core.max(n, self.of(eps, where)[0]), kind(k, nk)
+            if rk in ("row", "col"):  # (of a filled tensor: per row or column, in the tensor's shape)
+                rk = "element"
         elif base == "cosine_similarity":
             res, rk = self.cosine(args, kw, where)
         elif base in ("zero", "fill"):
