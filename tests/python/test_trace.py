@@ -295,7 +295,9 @@ def test_third_party_optimizers_match_or_are_refused(device):
                   "timm.optim.Mars-optimize_1d-adamw", "timm.optim.Mars-optimize_1d-lion",  # norms
                   # issue 33: complementary conditions are one branch (MADGRAD's x0), cosine_similarity per row
                   # and sizes as Op::Shape (AdamP, SGDP), vectors and matrices selected by is_matrix (Mars)
-                  "timm.optim.MADGRAD", "timm.optim.AdamP", "timm.optim.SGDP", "timm.optim.Mars", "timm.optim.SGDW"}
+                  "timm.optim.MADGRAD", "timm.optim.AdamP", "timm.optim.SGDP", "timm.optim.Mars", "timm.optim.SGDW",
+                  # scalar states per parameter: uniform (LaProp, NAdamLegacy), per tensor (NvNovoGrad)
+                  "timm.optim.LaProp", "timm.optim.NAdamLegacy", "timm.optim.NvNovoGrad"}
     assert must_match & {n for n, _ in THIRD_PARTY} <= set(matched)
 
 
@@ -397,7 +399,9 @@ def test_pytorch_optimizer_and_schedulefree_match_or_are_refused(device):
                   # math for matrices only (LARS), norm(p=4) (ApolloDQN), mean() (StableAdamW)
                   "pytorch_optimizer.AdaBound", "pytorch_optimizer.AdaMod", "pytorch_optimizer.DiffGrad",
                   "pytorch_optimizer.AdamP", "pytorch_optimizer.SGDP", "pytorch_optimizer.LARS",
-                  "pytorch_optimizer.ApolloDQN", "pytorch_optimizer.StableAdamW"}
+                  "pytorch_optimizer.ApolloDQN", "pytorch_optimizer.StableAdamW",
+                  # scalar states per parameter: uniform (LaProp, QHAdam), per tensor (AdaNorm's gradient norm)
+                  "pytorch_optimizer.LaProp", "pytorch_optimizer.QHAdam", "pytorch_optimizer.AdaNorm"}
     assert must_match & set(outcome) <= matched
     # schedulefree keeps lr_max and weight_sum (a running max / sum over the lr history) in the param
     # group: a per-group scalar state the IR has not. Refused naming it, not as "differs".
