@@ -23,7 +23,7 @@ running the original's step once under a TorchFunctionMode that watches for matm
 the like), or whose step draws random numbers (its values follow torch's random stream: no two runs
 can be compared step by step).
 
-    PYTHONPATH=... python3 tests/python/fuse_coverage.py [--only NAME_SUBSTRING] [--no-schedulers]
+    PYTHONPATH=... python3 tests/python/fuse_coverage.py [--only NAME_SUBSTRING] [--no-schedulers] [--mid-training]
 
 prints the table and the counts; tests/python/test_fuse_coverage.py runs it under pytest.
 """
@@ -224,19 +224,24 @@ def _scheduler(opt, kind):
     return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS, eta_min=LR / 20)
 
 
-def run_one(name, make, schedulers=True):
+def run_one(name, make, schedulers=True, mid_training=False):
     """(outcome, route, detail): outcome in fused / refused / wrong / raised."""
     import optfuse
     import optfuse.torch as oft
     route = None
     worst = 0.0
-    for scenario in ("plain",) + (("scheduler-before", "scheduler-after") if schedulers else ()):
+    scenarios = ("plain",) + (("scheduler-before", "scheduler-after") if schedulers else ())
+    for scenario in scenarios + (("mid-training",) if mid_training else ()):
         model = make_model()
         ref_model = copy.deepcopy(model)
         start = copy.deepcopy(model)
         orig = make(model)
         ref = make(ref_model)
         sched = ref_sched = None
+        started = 0
+        if scenario == "mid-training":  # 5 steps of the original, then fuse() takes its state over
+            train(model, orig, 5)
+            started = 5
         if scenario == "scheduler-before":
             sched, ref_sched = _scheduler(orig, "before"), _scheduler(ref, "before")
         try:
@@ -253,7 +258,9 @@ def run_one(name, make, schedulers=True):
         if scenario == "scheduler-after":
             sched, ref_sched = _scheduler(fused, "after"), _scheduler(ref, "after")
         try:
-            train(model, fused, STEPS, scheduler=sched)
+            train(model, fused, STEPS - started, start=started, scheduler=sched)
+            if scenario == "mid-training":  # the original class loads the fused state dict
+                make(copy.deepcopy(model)).load_state_dict(fused.state_dict())
         except Exception as e:  # noqa: BLE001
             tb = traceback.extract_tb(e.__traceback__)[-1]
             return "raised", route, f"{scenario}: a fused step raised {type(e).__name__}: {e} ({tb.filename}:{tb.lineno})"
@@ -271,7 +278,7 @@ def library(name):
     return name.split(".")[0] if not name.startswith("timm.") else "timm.optim"
 
 
-def run(only=None, schedulers=True, out=sys.stdout):
+def run(only=None, schedulers=True, out=sys.stdout, mid_training=False):
     warnings.simplefilter("ignore")
     results, skipped = {}, {}
     t0 = time.time()
@@ -282,7 +289,7 @@ def run(only=None, schedulers=True, out=sys.stdout):
         if why is not None:
             skipped[name] = why
             continue
-        results[name] = run_one(name, make, schedulers)
+        results[name] = run_one(name, make, schedulers, mid_training)
         print(f"{name:<42} {results[name][0]:<8} {results[name][1] or '':<8} {results[name][2][:300]}",
               file=out, flush=True)
     print(f"\nleft out ({len(skipped)}):", file=out)
@@ -324,5 +331,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--only")
     ap.add_argument("--no-schedulers", action="store_true")
+    ap.add_argument("--mid-training", action="store_true",
+                    help="a fourth scenario: 5 steps of the original, fuse(), 15 more; the original loads the state dict")
     a = ap.parse_args()
-    run(a.only, not a.no_schedulers)
+    run(a.only, not a.no_schedulers, mid_training=a.mid_training)
