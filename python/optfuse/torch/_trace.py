@@ -34,8 +34,8 @@ import math
 import torch
 
 from .. import _core
-from ._trace_probe import (_Layout, _group_state_message, _probe, group_counters, hyper_values, probe_shape,
-                           structure)
+from ._trace_probe import (PROBE_ELEMENTS, _Layout, _group_state_message, _probe, group_counters, hyper_values,
+                           probe_shape, structure)
 from ._trace_recorder import _Recorder
 from ._trace_values import _MATH, SymFloat, TraceError, _frame_of, _Paths, _patched_math, _same_expr, _symbolic_math
 
@@ -253,6 +253,15 @@ def traced_rule(opt, group):
     for q in group.get("params", ()):
         if q.dim() != traced_dim and q.dim() not in others:
             others[q.dim()] = probe_shape(group, like=q)
+    # Vectors and matrices are both traced, whichever the group holds: a rule is then right for either
+    # (a select on is_matrix where the math differs), also where it steps tensors of a dimensionality its
+    # group did not have when traced (ZeRO's flat pieces of matrices: a rule with such a select is a
+    # matrix plan, which ZeRO refuses, rather than vector math on matrices)
+    classes = {traced_dim >= 2} | {nd >= 2 for nd in others}
+    if True not in classes:
+        others[2] = (4, 3)
+    if False not in classes:
+        others[1] = (PROBE_ELEMENTS,)
 
     def update(b):
         traces = {traced_dim: (_explore(opt, group, layout, b, True), _explore(opt, group, layout, b, False))}
