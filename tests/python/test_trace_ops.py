@@ -109,6 +109,17 @@ MATCH = {
     "cosine-layer": lambda p, g, m: m * (1 + F.cosine_similarity(g.view(1, -1), p.view(1, -1), dim=1)),
     "cosine-rows": _row_cos_scaled,
     "adamp-projection": _adamp_like,
+    # conditions combined (FAdam's (rms > 0) & (eps2 * rms < eps)), nan_to_num (MSVAG's)
+    "and": lambda p, g, m: torch.where((g > 0) & (m < 0.5), m, 0.5 * m),
+    "or-not": lambda p, g, m: torch.where(~((g > 0.1) | (m < -0.2)), m, -m),
+    "logical_and": lambda p, g, m: torch.where(torch.logical_and(g > 0, torch.logical_not(m > 1)), m, 0.1 * m),
+    "nan_to_num": lambda p, g, m: torch.nan_to_num(m / (g * 0.0), nan=0.25, posinf=1.0, neginf=-1.0) * 0.1 + m,
+    # masked_fill (FTRL's), F.normalize over a dimension (TAM's: columns of a matrix, the whole of a vector)
+    "masked_fill": lambda p, g, m: m.clone().masked_fill_(m.abs() <= 0.3, 0.0),
+    "normalize-dim0": lambda p, g, m: F.normalize(m, p=2.0, dim=0) * 0.1 + m,
+    "normalize-rows": lambda p, g, m: F.normalize(m, dim=-1) * 0.1 + m,
+    "normalize-of-zeros": lambda p, g, m: F.normalize(torch.zeros_like(m), dim=0) + m,
+    "nan_to_num-out": lambda p, g, m: torch.nan_to_num((m - m) / (g - g), nan=0.5, out=torch.empty_like(m)) * m,
 }
 
 

@@ -79,19 +79,45 @@ _FUSABLE = {
 
 
 def _third_party_drop_ins():
-    """Drop-ins for classes of other packages. Only packages already imported are looked at (an
-    optimizer of theirs means they are), so fuse() imports none of them."""
+    """Drop-ins for classes of other packages: {class: (drop-in, whether it applies to an instance)}.
+    Only packages already imported are looked at (an optimizer of theirs means they are), so fuse()
+    imports none of them. Where a drop-in does not cover an option the instance uses (timm Lamb's
+    caution, lion-pytorch's decoupled_weight_decay or Triton kernel), the class is traced instead (and
+    refused with the reason if it cannot be)."""
     out = {}
     schedulefree = sys.modules.get("schedulefree")
     if schedulefree is not None and hasattr(schedulefree, "AdamWScheduleFree"):
         from ._schedule_free import AdamWScheduleFree
-        out[schedulefree.AdamWScheduleFree] = AdamWScheduleFree
+        out[schedulefree.AdamWScheduleFree] = (AdamWScheduleFree, None)
+    timm_optim = sys.modules.get("timm.optim")
+    if timm_optim is not None:
+        from ._layerwise import Lamb, Lars
+        if hasattr(timm_optim, "Lamb"):
+            out[timm_optim.Lamb] = (Lamb, lambda o: not any(g.get("caution") for g in o.param_groups))
+        if hasattr(timm_optim, "Lars"):
+            out[timm_optim.Lars] = (Lars, None)
+    lion_pytorch = sys.modules.get("lion_pytorch")
+    if lion_pytorch is not None and hasattr(lion_pytorch, "Lion"):
+        from ._optimizers import Lion
+
+        def plain(o):  # lion-pytorch's update_fn is its plain torch one (not Triton), weight decay coupled to lr
+            return not getattr(o, "decoupled_wd", False) and getattr(o.update_fn, "__module__", "") == "lion_pytorch.lion_pytorch"
+        out[lion_pytorch.Lion] = (Lion, plain)
     return out
+
+
+def _drop_in(opt):
+    cls = _FUSABLE.get(type(opt))
+    if cls is not None:
+        return cls
+    cls, applies = _third_party_drop_ins().get(type(opt), (None, None))
+    return cls if cls is not None and (applies is None or applies(opt)) else None
 
 
 def fuse(opt):
     """The fused equivalent of a torch.optim SGD, Adam, AdamW, Adagrad, RMSprop, RAdam, NAdam, Adamax, Adadelta,
-    Rprop, ASGD or Adafactor, or of a schedulefree.AdamWScheduleFree, mid-training:
+    Rprop, ASGD or Adafactor, of a schedulefree.AdamWScheduleFree, timm.optim.Lamb or Lars, or of a
+    lion_pytorch.Lion, mid-training (any other optimizer: its step traced, see _traced.py):
     the same param_groups (the very dicts, so an lr scheduler attached to `opt` keeps working) and
     the same state tensors (taken over, not copied: keep stepping the returned optimizer only).
 
@@ -101,7 +127,7 @@ def fuse(opt):
     if not isinstance(opt, torch.optim.Optimizer) and callable(opt):
         from ._fuse_fn import FusedFunction
         return FusedFunction(opt)
-    cls = _FUSABLE.get(type(opt)) or _third_party_drop_ins().get(type(opt))
+    cls = _drop_in(opt)
     for i, g in enumerate(opt.param_groups):
         if g.get("differentiable") and cls is None:
             raise OptfuseError(f"optfuse.torch.fuse: group {i} has differentiable=True: a traced step runs outside "

@@ -34,8 +34,8 @@ import math
 import torch
 
 from .. import _core
-from ._trace_probe import (_Layout, _group_state_message, _probe, group_counters, hyper_values, probe_shape,
-                           structure)
+from ._trace_probe import (PROBE_ELEMENTS, _Layout, _group_state_message, _probe, group_counters, hyper_values,
+                           probe_shape, structure)
 from ._trace_recorder import _Recorder
 from ._trace_values import _MATH, SymFloat, TraceError, _frame_of, _Paths, _patched_math, _same_expr, _symbolic_math
 
@@ -82,9 +82,23 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
         if not first:
             st = probe.state[q]
             for k in layout.states:
-                t = torch.rand_like(q) + 0.5
-                rec.bind(t, b.state(k), kind)
+                if k in layout.tensor_scalars:  # a value per tensor, kept in every element of its slot
+                    t = layout.tensor_scalars[k].clone()
+                    rec.bind(t, b.state(layout.slots[k]), "tensor" if kind == "element" else kind)
+                else:
+                    t = torch.rand_like(q) + 0.5
+                    rec.bind(t, b.state(layout.slots[k]), kind)
                 st[k] = t
+            for k, tmpl in layout.scalar_states.items():
+                # the IR's uniform state k (one value per group: the group's parameters step together);
+                # another parameter's is foreign, as its values are
+                foreign = None if kind == "element" else f"state '{k}' of another parameter"
+                if torch.is_tensor(tmpl):
+                    t = tmpl.clone()
+                    rec.bind(t, b.uniform_state(k), "uniform" if foreign is None else "foreign")
+                    st[k] = t
+                else:
+                    st[k] = SymFloat(float(tmpl), b.uniform_state(k), paths, foreign)
             if layout.step_key is not None:
                 before = b.step() - 1.0
                 if layout.step_is_tensor:
@@ -115,6 +129,8 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
     def expr_of(t, what):
         if isinstance(t, SymFloat):
             return t.expr
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            return b.constant(float(t))  # (a state set to a number on this path: pytorch-optimizer Lamb's norms)
         hit = rec.expr.get(rec.key(t))
         if hit is None:
             raise TraceError(f"{what} after the step is a tensor the trace did not produce")
@@ -128,6 +144,23 @@ def _trace_once(opt, group, layout, b, first, forced, shape=None):
     # a slot this path sets to None (timm SGDW's momentum buffer on a momentum == 0 path, where the probe
     # stepped with momentum) is not written on it: the state keeps its value, which the path never reads
     states = {k: expr_of(st[k], f"state '{k}'") for k in layout.states if st.get(k) is not None}
+    for k in layout.scalar_states:
+        v = st.get(k)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)) and not isinstance(v, (bool, SymFloat)):
+            states[("uniform", k)] = b.constant(float(v))
+            continue
+        if torch.is_tensor(v):
+            hit = rec.expr.get(rec.key(v))
+            if hit is None and v.numel() == 1 and v.dim() == 0:
+                hit = (b.constant(float(v)), "uniform")
+            if hit is not None and hit[1] not in ("uniform", "foreign"):
+                raise TraceError(f"{type(opt).__name__} keeps a per-parameter scalar state '{k}' computed from the "
+                                 "tensor's values (a norm, a mean or math on one): the IR keeps per-group uniform "
+                                 "states (of hyperparameters and the step) only, not a scalar per tensor; not "
+                                 "traceable yet")
+        states[("uniform", k)] = expr_of(v, f"the scalar state '{k}'")
     return expr_of(p, "the parameter"), states, paths.seen
 
 
@@ -194,6 +227,11 @@ def explore_paths(trace_once, infeasible=(), skipped=None):
     return run([])
 
 
+def _before(b, k, slots):
+    """A state's value before the step: k a per-element state's name, or ("uniform", name)."""
+    return b.uniform_state(k[1]) if isinstance(k, tuple) else b.state(slots[k])
+
+
 def traced_rule(opt, group):
     """An optfuse Rule equivalent to one step of `opt` on a parameter of `group` (TraceError if not)."""
     # The rule's update function runs when the rule is compiled, later: it traces the group as it is
@@ -206,13 +244,24 @@ def traced_rule(opt, group):
     for k, v in hyper_values(group, layout.counters).items():
         rule.hyper(k, v)
     for k in layout.states:
-        rule.state(k, 0.0)
+        rule.state(layout.slots[k], 0.0)
+    for k in layout.scalar_states:
+        rule.uniform_state(k, 0.0)
 
     traced_dim = len(probe_shape(group))
     others = {}  # another dimensionality in the group -> a probe shape of it
     for q in group.get("params", ()):
         if q.dim() != traced_dim and q.dim() not in others:
             others[q.dim()] = probe_shape(group, like=q)
+    # Vectors and matrices are both traced, whichever the group holds: a rule is then right for either
+    # (a select on is_matrix where the math differs), also where it steps tensors of a dimensionality its
+    # group did not have when traced (ZeRO's flat pieces of matrices: a rule with such a select is a
+    # matrix plan, which ZeRO refuses, rather than vector math on matrices)
+    classes = {traced_dim >= 2} | {nd >= 2 for nd in others}
+    if True not in classes:
+        others[2] = (4, 3)
+    if False not in classes:
+        others[1] = (PROBE_ELEMENTS,)
 
     def update(b):
         traces = {traced_dim: (_explore(opt, group, layout, b, True), _explore(opt, group, layout, b, False))}
@@ -259,15 +308,19 @@ def traced_rule(opt, group):
             def pick(m, v):
                 return _core.select(is_mat, m, v)
             (p_first, s_first), (p_later, s_later) = [
-                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, b.state(k)), vt[1].get(k, b.state(k)))
+                (pick(mt[0], vt[0]), {k: pick(mt[1].get(k, _before(b, k, layout.slots)), vt[1].get(k, _before(b, k, layout.slots)))
                                       for k in set(mt[1]) | set(vt[1])})
                 for mt, vt in zip(mat, vec)]
         else:
             (p_first, s_first), (p_later, s_later) = traces[traced_dim]
         is_first = b.step() == 1.0
         for k in layout.states:
-            later = s_later.get(k, b.state(k))
-            b.set_state(k, _core.select(is_first, s_first[k], later) if k in s_first else later)
+            later = s_later.get(k, b.state(layout.slots[k]))
+            b.set_state(layout.slots[k], _core.select(is_first, s_first[k], later) if k in s_first else later)
+        for name in layout.scalar_states:
+            k = ("uniform", name)
+            later = s_later.get(k, b.uniform_state(name))
+            b.set_uniform_state(name, _core.select(is_first, s_first[k], later) if k in s_first else later)
         b.set_param_base(_core.select(is_first, p_first, p_later))
         return b.constant(0.0)
 

@@ -6,6 +6,8 @@ step count (per parameter or in the group: group_counters) and the values the st
 group. hyper_values and structure split a param group into the rule's hyperparameters and the options
 a trace depends on otherwise; _traced.py keys its traced rules on them.
 """
+import re
+
 import torch
 
 from ._trace_values import TraceError
@@ -34,10 +36,14 @@ def hyper_values(group, counters=()):
 
 
 def structure(group, counters=()):
-    """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings)."""
+    """What a trace depends on besides hyperparameters: the group's other options (flags, None, strings),
+    and the dimensionalities of its parameters: a step may be other math for vectors than for matrices
+    (timm's AdamP, SGDP, Mars), so a rule traced on a group of vectors only (the biases of a
+    weight-decay split) must never step a group of matrices with the same options."""
     h = hyper_values(group, counters)
+    dims = tuple(sorted({p.dim() for p in group.get("params", ()) if torch.is_tensor(p)}))
     return tuple((k, repr(v)) for k, v in sorted(group.items())
-                 if k != "params" and k not in counters and k not in h and f"{k}_0" not in h)
+                 if k != "params" and k not in counters and k not in h and f"{k}_0" not in h) + (("params.dim()", dims),)
 
 
 def _group_number(v):
@@ -59,7 +65,19 @@ class _Layout:
             seen.append({k: _private(v) for k, v in g.items()})
         self.counters, self.group_states = _group_writes(type(opt).__name__, seen)
         st = probe.state.get(p, {})
+        # the same two steps on other values: a scalar state that differs is computed from the tensor's
+        # values (NovoGrad's average of the gradient's squared norm), one that does not is uniform
+        probe2, p2 = _probe(opt, group, None)
+        for _ in range(2):
+            p2.grad = torch.randn_like(p2)
+            probe2.step()
+        st2 = probe2.state.get(p2, {})
         self.states, self.step_key, self.step_is_tensor = [], None, False
+        # scalar states per parameter (LaProp's exp_avg_lr_1, NAdamLegacy's m_schedule, QHAdam's
+        # beta1_weight): their value after two steps, as the template of their type, shape and dtype.
+        # Traced as the IR's uniform states where the step computes them from hyperparameters, the step
+        # and their own value only; one computed from the tensor's values (a norm) is refused (_trace_once)
+        self.scalar_states, self.tensor_scalars = {}, {}
         for k, v in st.items():
             if v is None:  # a slot the optimizer does not use with these options (SGDW's buffer without momentum)
                 continue
@@ -67,13 +85,53 @@ class _Layout:
                 self.states.append(k)
             elif k == "step" and (torch.is_tensor(v) or _numeric(v)):
                 self.step_key, self.step_is_tensor = k, torch.is_tensor(v)
+            elif (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.dim() <= 1
+                  and v.dtype in (torch.float32, torch.float64)):
+                if torch.is_tensor(v) and not _same(v, st2.get(k)):
+                    # a value per tensor: a slot of the parameter's shape holding it in every element, read
+                    # as a per-tensor value (kind "tensor"); the original's format in the state dict
+                    self.tensor_scalars[k] = _private(v)
+                    self.states.append(k)
+                else:
+                    self.scalar_states[k] = _private(v)
             else:
                 raise TraceError(f"{type(opt).__name__} keeps a per-parameter state '{k}' "
                                  f"({type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}) that is neither "
                                  "a tensor of the parameter's shape nor the step count: not traceable yet")
+        # the rule's name of each state: the generated kernel declares states as C++ variables of their
+        # names, so a name that is not an identifier, is a C++ keyword or one of the kernel's own
+        # variables (AdamG's state 'v') gets another (Traced maps it back to the original's key)
+        self.slots, taken = {}, set()
+        for k in self.states:
+            name = k if _safe_identifier(k) else "state_" + re.sub(r"\W", "_", k)
+            while name in taken or name in self.states and name != k:
+                name += "_"
+            taken.add(name)
+            self.slots[k] = name
+        for k in self.scalar_states:
+            if not _safe_identifier(k):
+                raise TraceError(f"{type(opt).__name__} keeps a per-parameter scalar state named {k!r}, which optfuse's "
+                                 "generated kernels cannot declare (not an identifier, or a name the kernel uses itself)")
         if self.counters and self.step_key is not None:
             raise TraceError(f"{type(opt).__name__} keeps a step count both per parameter (state '{self.step_key}') "
                              f"and in the param group ({', '.join(self.counters)}): not traceable yet")
+
+
+# C++ keywords and the names the generated kernels declare themselves (their arguments and locals)
+_RESERVED = frozenset("""
+alignas alignof and and_eq asm auto bitand bitor bool break case catch char char16_t char32_t class compl const
+constexpr const_cast continue decltype default delete do double dynamic_cast else enum explicit export extern
+false float for friend goto if inline int long mutable namespace new noexcept not not_eq nullptr operator or
+or_eq private protected public register reinterpret_cast return short signed sizeof static static_assert
+static_cast struct switch template this thread_local throw true try typedef typeid typename union unsigned
+using virtual void volatile wchar_t while xor xor_eq restrict
+v u acc st red out sums shape derived reductions param grad i j k n x y p g e s idx row col rows cols numel
+""".split())
+
+
+def _safe_identifier(name):
+    return (re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name) is not None and name not in _RESERVED
+            and re.fullmatch(r"(t|upd_|of_|OF_).*", name) is None)
 
 
 def _group_writes(cls, seen):

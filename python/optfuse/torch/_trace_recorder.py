@@ -83,7 +83,7 @@ class _Recorder(_Reductions, TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
-        if name in ("__getitem__", "__setitem__", "index_put_", "masked_fill_", "scatter_", "index_copy_"):
+        if name in ("__getitem__", "__setitem__", "index_put_", "scatter_", "index_copy_"):
             raise TraceError(f"indexing ('{name}') at {_where()} is not traceable: the update must be element-wise")
         if name.startswith("_foreach_"):
             # a multi-tensor op returns a list (or None in place): it would escape the recorder unseen
@@ -119,8 +119,9 @@ class _Recorder(_Reductions, TorchFunctionMode):
     def record(self, name, args, kw, out, where):
         b = self.b
         base = name[2:-2] if name.startswith("__") and name.endswith("__") else name
-        inplace = base.endswith("_") and base != "_" or base.startswith("i") and name.startswith("__i")
-        if name.startswith("__i"):
+        augmented = name.startswith("__i") and name != "__invert__"  # x += y, x &= y (not ~x)
+        inplace = base.endswith("_") and base != "_" or augmented
+        if augmented:
             base = base[1:]
         elif name.startswith("__r") and base[1:] in ("add", "sub", "mul", "truediv", "div", "pow"):
             args = (args[1], args[0]) + tuple(args[2:])
@@ -236,6 +237,54 @@ class _Recorder(_Reductions, TorchFunctionMode):
             if base.startswith("new_"):
                 E(0)
             res, rk = self.of(fill, where)
+        elif base in ("and", "or", "xor", "logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
+                      "bitwise_xor") and (len(args) >= 2 or "other" in kw):
+            # of conditions (bool tensors: comparisons' results) only: on integers & and | are bitwise
+            other = arg(1, "other")
+            for v in (args[0], other):
+                if not (isinstance(v, bool) or torch.is_tensor(v) and v.dtype == torch.bool) and not base.startswith("logical"):
+                    raise TraceError(f"'{name}' of a non-boolean value at {where}: bitwise math is not traceable")
+            (x, kx), (y, ky) = E(0), self.of(other, where)
+            x, y = x != 0.0, y != 0.0
+            op = base.replace("logical_", "").replace("bitwise_", "")
+            res = (_core.logical_and(x, y) if op == "and" else _core.logical_or(x, y) if op == "or"
+                   else _core.logical_and(_core.logical_or(x, y), _core.logical_not(_core.logical_and(x, y))))
+            rk = kind(kx, ky)
+        elif base in ("logical_not", "invert", "bitwise_not") and args:
+            if base != "logical_not" and not (torch.is_tensor(args[0]) and args[0].dtype == torch.bool):
+                raise TraceError(f"'{name}' of a non-boolean value at {where}: bitwise math is not traceable")
+            e, k = E(0)
+            res, rk = _core.logical_not(e != 0.0), k
+        elif base == "nan_to_num" and args and torch.is_tensor(args[0]) and args[0].is_floating_point():
+            # NaN -> nan (0), +inf -> posinf (the dtype's largest), -inf -> neginf (its lowest)
+            e, k = E(0)
+            fi = torch.finfo(args[0].dtype)
+            nan, pinf, ninf = (arg(i, key, None) for i, key in ((1, "nan"), (2, "posinf"), (3, "neginf")))
+            nan = self.of(0.0 if nan is None else nan, where)[0]
+            pinf = self.of(fi.max if pinf is None else pinf, where)[0]
+            ninf = self.of(fi.min if ninf is None else ninf, where)[0]
+            res = _core.select(e != e, nan, _core.select(e == float("inf"), pinf,
+                                                         _core.select(e == -float("inf"), ninf, e)))
+            rk = k
+        elif base == "masked_fill" and args and torch.is_tensor(args[0]):
+            # x where not mask, value where mask (FTRL's p.masked_fill_(|z| <= lambda_1, 0)): element-wise
+            mask = arg(1, "mask")
+            if not (torch.is_tensor(mask) and mask.dtype == torch.bool
+                    and (tuple(mask.shape) == tuple(args[0].shape) or mask.numel() == 1)):
+                raise TraceError(f"masked_fill at {where} with a mask that is not a boolean tensor of the tensor's "
+                                 "shape: not traceable")
+            (x, kx), (m, km), (v, kv) = E(0), self.of(mask, where), self.of(arg(2, "value"), where)
+            res, rk = _core.select(m != 0.0, v, x), kind(kx, km, kv)
+        elif base == "normalize" and args and torch.is_tensor(args[0]):
+            # F.normalize(x, p, dim, eps): x / max(norm(x, p, dim, keepdim=True), eps) (TAM's)
+            if kw.get("out") is not None:
+                raise TraceError(f"normalize at {where} with out=: not traceable")
+            pn, dim, eps = arg(1, "p", 2.0), arg(2, "dim", 1), arg(3, "eps", 1e-12)
+            n, nk = self.reduction("norm", "norm", (args[0], pn, dim, True), {}, where)
+            e, k = E(0)
+            res, rk = e / _core.max(n, self.of(eps, where)[0]), kind(k, nk)
+            if rk in ("row", "col"):  # (of a filled tensor: per row or column, in the tensor's shape)
+                rk = "element"
         elif base == "cosine_similarity":
             res, rk = self.cosine(args, kw, where)
         elif base in ("zero", "fill"):

@@ -1,10 +1,12 @@
 """fuse() for optimizers without a hand-written drop-in: their step traced into a rule (_trace.py),
 run by the same engine as every optfuse.torch optimizer, and checked against the original first."""
+import math
 import weakref
 
 import torch
 
 from ._base import FusedOptimizer, OptfuseError
+from ._trace_values import _frame_of
 from ._trace import TraceError, _probe, group_counters, hyper_values, structure, traced_rule
 
 VERIFY_STEPS = 6       # steps of the original and the traced optimizer side by side on probes
@@ -41,17 +43,37 @@ class Traced(FusedOptimizer):
         self._rules[key] = entry
         return entry
 
+    def _states_for(self, p, st, engine, prec):
+        # the original's state keys for the rule's slots (a name the kernel cannot declare was renamed)
+        back = {}
+        for _, layout in self._rules.values():
+            back.update({slot: k for k, slot in layout.slots.items()})
+        engine.state_names = [back.get(s, s) for s in engine.core.state_names]
+        for k in self._tensor_scalars():
+            v = st.get(k)
+            if torch.is_tensor(v) and v.shape != p.shape and v.numel() == 1:
+                # the original's value per tensor (a mid-training fuse, a loaded state dict): in every element
+                st[k] = torch.full_like(p, float(v), dtype=p.dtype if p.is_floating_point() else torch.float32)
+        return super()._states_for(p, st, engine, prec)
+
+    def _tensor_scalars(self):
+        out = {}
+        for _, layout in self._rules.values():
+            out.update(layout.tensor_scalars)
+        return out
+
     def _layout(self):
         return next(iter(self._rules.values()))[1]
 
     def _initial_step(self, state):
         # an optimizer that keeps no step count: a parameter whose state exists has stepped
         layout = self._layout()
-        return 1 if layout.states and all(k in state for k in layout.states) else 0
+        keys = layout.states + list(layout.scalar_states)
+        return 1 if keys and all(k in state for k in keys) else 0
 
     def _adjust_step(self, state, step, engine):
         layout = self._layout()
-        if layout.step_key is None and not all(k in state for k in layout.states):
+        if layout.step_key is None and not all(k in state for k in layout.states + list(layout.scalar_states)):
             return 0  # no state yet: the first-step trace (the optimizer creates it) applies
         return step
 
@@ -62,7 +84,7 @@ class Traced(FusedOptimizer):
             st = self.state.get(p) or {}
             layout = self._layout()
             g = self._group_of[p]
-            has_state = all(k in st for k in layout.states)  # an optimizer without states: always
+            has_state = all(k in st for k in layout.states + list(layout.scalar_states))  # (none: always)
             self._steps[p] = int(g.get(self._counters[0], 0)) if has_state else 0
         return super()._step_of(p)
 
@@ -86,6 +108,25 @@ class Traced(FusedOptimizer):
                         if counts:
                             g[k] = type(g.get(k, 0))(max(counts))
         return loss
+
+    def state_dict(self):
+        sd = super().state_dict()
+        # scalar states per parameter (the rule's uniform states) in the original's format: a Python
+        # number where it keeps one (LaProp's exp_avg_lr_1), else a tensor of its shape and dtype
+        scalars = self._tensor_scalars()
+        for _, layout in self._rules.values():
+            scalars.update(layout.scalar_states)
+        if scalars:
+            for st in sd["state"].values():
+                for k, tmpl in scalars.items():
+                    v = st.get(k)
+                    if not torch.is_tensor(v):
+                        continue
+                    if torch.is_tensor(tmpl):  # (a value per tensor: any element of its slot)
+                        st[k] = v.detach().reshape(-1)[:1].to(dtype=tmpl.dtype).reshape(tmpl.shape).clone()
+                    else:
+                        st[k] = type(tmpl)(v.item())
+        return sd
 
     def _sync_steps(self, write_state=False):
         super()._sync_steps(write_state)
@@ -169,6 +210,13 @@ def _verify_one(original, traced_rules, gi, g, shape, gen, counters=frozenset())
                              f"{VERIFY_STEPS} traced steps, {ref.param_groups[0].get(k)} after the original's")
     for k, v in ref.state[rp].items():
         w = ours.state[q].get(k)
+        if k != "step" and (isinstance(v, float) or torch.is_tensor(v) and v.numel() == 1 and v.shape != rp.shape):
+            # a scalar state per parameter (a uniform state of the rule)
+            a, r = float(w.reshape(-1)[0]) if torch.is_tensor(w) else float(w) if w is not None else math.nan, float(v)
+            if not abs(a - r) <= VERIFY_TOL * max(abs(r), 1e-30):
+                raise TraceError(f"the traced scalar state '{k}' of group {gi} is {a!r} after {VERIFY_STEPS} steps, "
+                                 f"{r!r} after the original's")
+            continue
         if torch.is_tensor(v) and v.shape == rp.shape and not _max_rel(w, v) <= VERIFY_TOL:
             raise TraceError(f"the traced state '{k}' of group {gi} differs from the original after "
                              f"{VERIFY_STEPS} steps (max relative difference {_max_rel(w, v):.3g})")
@@ -188,7 +236,9 @@ def fuse_by_tracing(opt):
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: {e}") from None
     except Exception as e:  # noqa: BLE001  (the optimizer's own code failed on the probe)
         raise OptfuseError(f"optfuse.torch.fuse: {name} cannot be fused: tracing its step raised "
-                           f"{type(e).__name__}: {e}") from e
+                           f"{type(e).__name__}: {e} at {_frame_of(e)} (its step on a probe parameter: one that "
+                           "reads what its own code did not make for that parameter, such as state made outside "
+                           "step() or kept in opt.state under a key that is no parameter, is not traceable)") from e
     new = _new_traced(opt, opt.param_groups, dict(opt.defaults), rules, counters)
     for p, st in opt.state.items():
         new.state[p] = dict(st)
