@@ -100,6 +100,11 @@ class ZeRO(torch.optim.Optimizer):
                                "ZeRO reduce-scatters the local gradients itself)")
         if not dist.is_available() or not dist.is_initialized():
             raise OptfuseError("ZeRO: torch.distributed is not initialised (call dist.init_process_group first)")
+        if any(g.get("state_dtype") is torch.int8 for g in getattr(optimizer, "param_groups", [])):
+            # (the kernels' blocks would fit ZeRO's pieces, which start at chunk multiples, but the
+            # checkpoint code gathers states as parameter-shaped tensors)
+            raise OptfuseError("ZeRO: state_dtype=torch.int8 (q8 states) is not supported under ZeRO yet; use "
+                               "torch.bfloat16 states, or step unsharded")
         self.stage = stage
         self._strategy = strategy_for(self, optimizer)
         optimizer = self._strategy.prepare(optimizer)
