@@ -10,9 +10,11 @@ from ._base import FusedOptimizer, OptfuseError  # noqa: F401
 from ._fused import Fused, explain, fuse  # noqa: F401
 from ._layerwise import Lamb, Lars  # noqa: F401
 from ._muon import Muon, MuonWithAuxAdam  # noqa: F401
+from ._q8 import dequantize as dequantize_int8_state  # noqa: F401
 from ._schedule_free import AdamWScheduleFree  # noqa: F401
 from ._optimizers import (ASGD, SGD, Adadelta, Adagrad, Adam, Adamax, AdamW, AdEMAMix, Lion, NAdam, RAdam,  # noqa: F401
                           RMSprop, Rprop)
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "RAdam", "NAdam", "Adamax", "Adadelta", "Rprop", "ASGD", "Adafactor", "Lion", "AdEMAMix",
-           "AdamWScheduleFree", "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer"]
+           "AdamWScheduleFree", "Lamb", "Lars", "Muon", "MuonWithAuxAdam", "Fused", "fuse", "explain", "FusedOptimizer",
+           "dequantize_int8_state"]
