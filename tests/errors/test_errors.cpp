@@ -302,7 +302,7 @@ TEST(GroupErrors, FailedSetHyperOnASharedNameChangesNeither) {
 
 TEST(GroupErrors, UnknownBackendAndDtype) {
   EXPECT_EQ(error_of([] { parse_backend("gpu"); }), "unknown backend 'gpu' (expected reference, cpu or cuda)");
-  EXPECT_EQ(error_of([] { parse_dtype("fp8"); }), "unknown dtype 'fp8' (expected float32, float64, float16, bfloat16 or int16)");
+  EXPECT_EQ(error_of([] { parse_dtype("fp8"); }), "unknown dtype 'fp8' (expected float32, float64, float16, bfloat16, int16 or q8)");
 }
 
 // ---------------------------------------------------------------------------------------------
