@@ -149,3 +149,13 @@ def test_wrong_sized_int8_state_is_refused():
     with pytest.raises(optfuse.OptfuseError, match="q8 state"):
         train(model, opt, batches("cpu", 1, seed=5))
     assert torch.equal(p.detach(), before)
+
+
+def test_adafactor_refuses_int8_states_clearly():
+    w = torch.nn.Parameter(torch.randn(64, 48))
+    opt = oft.Adafactor([w], lr=1e-2, state_dtype=torch.int8)
+    w.grad = torch.randn_like(w)
+    before = w.detach().clone()
+    with pytest.raises(optfuse.OptfuseError, match="not supported yet for rules with per-row"):
+        opt.step()
+    assert torch.equal(w.detach(), before)

@@ -489,6 +489,10 @@ class TableBinding:
             home = st if key is not None else self._private_states.setdefault(p, {})
             key = name if key is None else key
 
+            if dtype == torch.int8 and engine.matrix:
+                raise OptfuseError(f"{type(self).__name__}: state_dtype=torch.int8 is not supported yet for rules with "
+                                   "per-row or per-column values (Adafactor's factored moments); use torch.bfloat16 "
+                                   "states")
             q8 = dtype == torch.int8 and shape is None  # a full-size state stored as q8 (_q8.py)
             if dtype == torch.int8 and not q8:
                 dtype = torch.float32  # a per-row or per-column state: small, kept in float32
