@@ -488,19 +488,13 @@ class TableBinding:
             key, shape = self._saved_key(p, name), self._state_shape(p, name)
             home = st if key is not None else self._private_states.setdefault(p, {})
             key = name if key is None else key
-
             if dtype == torch.int8 and engine.matrix:
                 raise OptfuseError(f"{type(self).__name__}: state_dtype=torch.int8 is not supported yet for rules with "
                                    "per-row or per-column values (Adafactor's factored moments); use torch.bfloat16 "
                                    "states")
             q8 = dtype == torch.int8 and shape is None  # a full-size state stored as q8 (_q8.py)
-            if dtype == torch.int8 and not q8:
-                dtype = torch.float32  # a per-row or per-column state: small, kept in float32
-            numel = _dtensor.local(p).numel()
 
             def new():  # in the parameter's layout (or the state's own shape) and the role's dtype
-                if q8:
-                    return torch.zeros(_q8.storage_bytes(numel), dtype=torch.int8, device=p.device)
                 if shape is None:  # (a parameter with gaps: torch's preserve_format gives contiguous states)
                     return torch.empty_like(p, dtype=dtype, memory_format=torch.preserve_format)
                 return torch.empty(shape, dtype=dtype, device=p.device)
