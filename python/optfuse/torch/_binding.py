@@ -509,7 +509,10 @@ class TableBinding:
                 if _dtensor.is_dtensor(p):
                     raise OptfuseError(f"{type(self).__name__}: state_dtype=torch.int8 is not supported for DTensor "
                                        "(FSDP2) parameters yet")
-                home[key] = t = self._q8_state(p, t, init, from_param, key)
+                def where():
+                    tg, i = self._position_of(p)
+                    return f"{type(self).__name__}: state '{key}' of parameter {i} of group {tg}"
+                home[key] = t = _q8.state_for(p, t, init, from_param, where)
                 out.append(t)
                 continue
             if fresh:
@@ -546,25 +549,6 @@ class TableBinding:
             home[key] = t
             out.append(t)
         return out
-
-    def _q8_state(self, p, t, init, from_param, key):
-        """A q8 state of p (state_dtype=torch.int8): t itself where it is one already; else a new one,
-        or t (a float state of p's shape: a torch state dict, a changed state_dtype) quantized."""
-        numel = p.numel()
-        if t is not None and _q8.is_q8_state(t, numel) and t.device == p.device:
-            return t
-        if t is None:
-            if not from_param and init == 0:
-                return torch.zeros(_q8.storage_bytes(numel), dtype=torch.int8, device=p.device)
-            t = p.detach() if from_param else torch.full(p.shape, float(init), device=p.device)
-        elif t.dtype == torch.int8 or t.shape != p.shape:
-            tg, i = self._position_of(p)
-            raise OptfuseError(f"{type(self).__name__}: state '{key}' of parameter {i} of group {tg} (shape "
-                               f"{tuple(p.shape)}) is a {t.dtype} tensor of shape {tuple(t.shape)}; a q8 state "
-                               f"(state_dtype=torch.int8) is 1-D int8 of {_q8.storage_bytes(numel)} bytes, or give "
-                               "a float tensor of the parameter's shape")
-        with torch.no_grad():
-            return _q8.quantize(t.to(p.device))
 
     def _grad_for(self, p, grad):
         if grad.stride() == p.stride() or (grad.is_contiguous() and p.is_contiguous()):

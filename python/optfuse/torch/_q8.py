@@ -8,6 +8,8 @@ import torch
 
 from .. import _core
 
+OptfuseError = _core.OptfuseError
+
 BLOCK = _core.q8_block
 ALIGN = _core.q8_scales_align
 
@@ -65,3 +67,22 @@ def dequantize(buf, shape):
     v = torch.where(q < 0, -v, v)
     v = torch.where(q == -128, torch.full_like(v, float("nan")), v)
     return v.reshape(shape)
+
+
+def state_for(p, t, init, from_param, where):
+    """A q8 state of parameter p: t itself where it is one already; else a new one (a copy of p, or init
+    everywhere), or t (a float state of p's shape: a torch state dict, a changed state_dtype) quantized.
+    where(): the state's name and position, for the error on anything else."""
+    numel = p.numel()
+    if t is not None and is_q8_state(t, numel) and t.device == p.device:
+        return t
+    if t is None:
+        if not from_param and init == 0:
+            return torch.zeros(storage_bytes(numel), dtype=torch.int8, device=p.device)
+        t = p.detach() if from_param else torch.full(p.shape, float(init), device=p.device)
+    elif t.dtype == torch.int8 or t.shape != p.shape:
+        raise OptfuseError(f"{where()} (shape {tuple(p.shape)}) is a {t.dtype} tensor of shape {tuple(t.shape)}; a q8 "
+                           f"state (state_dtype=torch.int8) is 1-D int8 of {storage_bytes(numel)} bytes, or give a "
+                           "float tensor of the parameter's shape")
+    with torch.no_grad():
+        return quantize(t.to(p.device))
