@@ -11,12 +11,14 @@ first step, 0-dim ones left out) plus the gradient read once, divided by the cop
 keeps (parameter + states): the memory per parameter the issue counts.
 
   python3 bench/q8_vs_8bit.py [--workloads gpt2-small,llama-1b,wide] [--steps 20] [--warmup 5] [--json out.json]
+  python3 bench/q8_vs_8bit.py --device cpu --workloads gpt2-small --scale 0.25   # wall time, host memory bandwidth
 """
 import argparse
 import json
 import os
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -58,6 +60,17 @@ CONFIGS = {
 }
 
 
+def cpu_copy_bandwidth(n):
+    """Bytes per second of torch's dst.copy_(src) over 4 n bytes on the CPU (read + write), best of 5."""
+    src, dst = torch.randn(n), torch.empty(n)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 8 * n / best
+
+
 def state_bytes(opt):
     seen, total = set(), 0
 
@@ -84,27 +97,37 @@ def state_bytes(opt):
     return total
 
 
-def run(make, shapes, steps, warmup):
+def run(make, shapes, steps, warmup, device):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda").to(torch.bfloat16)) for s in shapes]
-    pool = [[(torch.randn(s, device="cuda") * 1e-2).to(torch.bfloat16) for s in shapes] for _ in range(2)]
+    params = [torch.nn.Parameter(torch.randn(s, device=device).to(torch.bfloat16)) for s in shapes]
+    pool = [[(torch.randn(s, device=device) * 1e-2).to(torch.bfloat16) for s in shapes] for _ in range(2)]
     opt = make(params)
     times = []
     for i in range(warmup + steps):
         opt.zero_grad(set_to_none=True)
         for p, g in zip(params, pool[i % 2]):
             p.grad = g.view_as(g)
+        if device == "cpu":
+            t0 = time.perf_counter()
+            opt.step()
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         opt.step()
         b.record()
         if i >= warmup:
             times.append((a, b))
-    torch.cuda.synchronize()
-    ms = statistics.median(x.elapsed_time(y) for x, y in times)
+    if device == "cpu":
+        ms = statistics.median(times)
+    else:
+        torch.cuda.synchronize()
+        ms = statistics.median(x.elapsed_time(y) for x, y in times)
     sb = state_bytes(opt)
     del opt, params, pool
-    torch.cuda.empty_cache()
+    if device != "cpu":
+        torch.cuda.empty_cache()
     return ms, sb
 
 
@@ -114,18 +137,21 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--scale", type=float, default=1.0, help="each tensor's element count times this (a 1-D tensor)")
     a = ap.parse_args()
     results = []
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if a.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"device: {name}  torch {torch.__version__}")
     for wl in a.workloads.split(","):
-        shapes = workload_shapes.shapes(wl)
+        shapes = workload_shapes.shapes(wl, a.scale)
         n = sum(torch.Size(s).numel() for s in shapes)
-        bw = copy_bandwidth(n)
+        bw = copy_bandwidth(n) if a.device == "cuda" else cpu_copy_bandwidth(n)
         print(f"\n{wl}: {len(shapes)} tensors, {n / 1e6:.1f} M elements, copy bandwidth {bw / 1e9:.0f} GB/s")
         print(f"  {'configuration':<52} {'held B/elem':>11} {'floor ms':>8} {'ms/step':>8} {'% floor':>8}")
         for label, factory in CONFIGS.items():
             try:
-                ms, sb = run(factory, shapes, a.steps, a.warmup)
+                ms, sb = run(factory, shapes, a.steps, a.warmup, a.device)
             except Exception as e:  # noqa: BLE001
                 print(f"  {label}: not run: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
                 if not isinstance(e, ImportError):
@@ -141,7 +167,7 @@ def main():
                                 ms=ms, pct_floor=pct, elements=n, copy_gbps=bw / 1e9))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, results=results), f, indent=1)
+            json.dump(dict(device=name, torch=torch.__version__, results=results), f, indent=1)
 
 
 if __name__ == "__main__":
