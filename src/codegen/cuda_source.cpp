@@ -309,10 +309,8 @@ bool writes_stochastically(const CudaPhaseRoles& pr, const StorageVariant& v) {
 // in registers until the block is done, then the warp folds their scale (a max: exact in any
 // order) and encodes them. Lane 0 writes the scale after the shuffles, which every lane reaches
 // only after reading the old one.
-std::string q8_chunk_body(const Plan& plan, const ElementPhase& ph, const CudaPhaseRoles& pr, const StorageVariant& var,
-                          const std::vector<std::string>& roles, const std::string& element_fn, const std::string& T,
-                          const std::string& d) {
-  (void)plan; (void)ph;
+std::string q8_chunk_body(const CudaPhaseRoles& pr, const StorageVariant& var, const std::vector<std::string>& roles,
+                          const std::string& element_fn, const std::string& T, const std::string& d) {
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
   auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
   auto q8 = [&](int r) { return var[static_cast<size_t>(r)].dtype == DType::q8; };
@@ -386,9 +384,8 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
   auto nm = [&](int r) { return roles[static_cast<size_t>(r)]; };
   auto dt = [&](int r) { return static_cast<int>(var[static_cast<size_t>(r)].dtype); };
   auto size = [&](int r) { return static_cast<int>(dtype_size(var[static_cast<size_t>(r)].dtype)); };
-  auto q8 = [&](int r) { return var[static_cast<size_t>(r)].dtype == DType::q8; };
   auto type = [&](int r) {
-    return q8(r) ? std::string("signed char") : dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
+    return dt(r) == 0 ? std::string("float") : dt(r) == 4 ? std::string("double") : std::string("unsigned short");
   };
   size_t nred = std::max<size_t>(ph.reductions.size(), 1);
   std::ostringstream s;
@@ -401,7 +398,7 @@ std::string chunk_function(const Plan& plan, size_t i, size_t k, const StorageVa
     return s.str();
   }
   if (variant_has_q8(var)) {
-    s << q8_chunk_body(plan, ph, pr, var, roles, element_fn, T, d);
+    s << q8_chunk_body(pr, var, roles, element_fn, T, d);
     return s.str();
   }
   int narrow = pr.used[0];
