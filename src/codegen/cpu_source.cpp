@@ -126,6 +126,21 @@ std::string prefetch_block(const PhaseRoles& pr, const StorageVariant& var, cons
   return s.str();
 }
 
+// The end of a loop with reductions: each reduction's OF_LANES lanes folded in lane order into acc.
+std::string lane_totals(const Plan& plan, const ElementPhase& ph) {
+  std::ostringstream s;
+  for (size_t q = 0; q < ph.reductions.size(); ++q) {
+    const Op op = plan.program.graph.node(ph.reductions[q]).op;
+    const std::string lane = "lane[" + std::to_string(q) + "][j]";
+    s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
+      << (op == Op::AnyNonFinite ? "if (" + lane + " != 0.0) total = 1.0;\n"
+          : op == Op::MaxAbs     ? "total = of_max(total, " + lane + ");\n"
+                                 : "total += " + lane + ";\n")
+      << "    acc[" << q << "] = total;\n  }\n";
+  }
+  return s.str();
+}
+
 // The loop of a variant with q8 roles (optfuse/dtype.h): a block of OF_Q8_BLOCK elements at a time
 // (chunks start at multiples of it). A q8 role is read as its code times the block's scale from
 // before the step, and written by keeping the block's new values, then folding their scale and
@@ -179,15 +194,7 @@ std::string q8_run_body(const Plan& plan, const ElementPhase& ph, const PhaseRol
       << "    }\n";
   }
   s << "  }\n";
-  for (size_t q = 0; q < nred; ++q) {
-    const Op op = plan.program.graph.node(ph.reductions[q]).op;
-    const std::string lane = "lane[" + std::to_string(q) + "][j]";
-    s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
-      << (op == Op::AnyNonFinite ? "if (" + lane + " != 0.0) total = 1.0;\n"
-          : op == Op::MaxAbs     ? "total = of_max(total, " + lane + ");\n"
-                                 : "total += " + lane + ";\n")
-      << "    acc[" << q << "] = total;\n  }\n";
-  }
+  s << lane_totals(plan, ph);
   if (!nred) s << "  (void)acc;\n";
   s << "}\n";
   return s.str();
@@ -258,15 +265,7 @@ std::string phase_variant_functions(const Plan& plan, size_t i, size_t k, const 
     s << element_body(element_fn, rr, var, roles, "i", "a", "    ");
     for (size_t q = 0; q < nred; ++q) s << "    lane[" << q << "][j] = a[" << q << "];\n";
     s << "  }\n";
-    for (size_t q = 0; q < nred; ++q) {
-      const Op op = plan.program.graph.node(ph.reductions[q]).op;
-      const std::string lane = "lane[" + std::to_string(q) + "][j]";
-      s << "  {\n    double total = 0.0;\n    for (int j = 0; j < OF_LANES; ++j) "
-        << (op == Op::AnyNonFinite ? "if (" + lane + " != 0.0) total = 1.0;\n"
-            : op == Op::MaxAbs     ? "total = of_max(total, " + lane + ");\n"
-                                   : "total += " + lane + ";\n")
-        << "    acc[" << q << "] = total;\n  }\n";
-    }
+    s << lane_totals(plan, ph);
     s << "}\n";
   }
   s << "\nstatic void " << fn
