@@ -20,6 +20,7 @@
 #include "optfuse/error.h"
 #include "optfuse/optimizer.h"
 #include "testing/scoped_env.h"
+#include "testing/precision_cases.h"
 #include "testing/tensor_set.h"
 
 namespace optfuse {
@@ -92,12 +93,8 @@ TEST(Q8Codec, StorageLayout) {
   EXPECT_EQ(q8_blocks(1000), 4);
 }
 
-// AdamW-like rules with every state q8 (or float32 for comparison), parameters and gradients float32.
-StorageVariant storage(const Plan& plan, DType states) {
-  StorageVariant v{{DType::f32, false}, {DType::f32, false}};
-  for (size_t s = 0; s < plan.program.states.size(); ++s) v.push_back({states, false});
-  return v;
-}
+// Every state q8 (or float32, for comparison); parameters and gradients float32.
+StorageVariant storage(const Plan& plan, DType states) { return testing::role_storage(plan, DType::f32, DType::f32, states); }
 
 HostTensorSet run(const Chain& c, const HostTensorSet& set, Backend b, int steps) {
   HostTensorSet s = set;

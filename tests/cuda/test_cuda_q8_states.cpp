@@ -17,6 +17,7 @@
 #include "optfuse/optimizer.h"
 #include "runtime/cuda_api.h"
 #include "testing/device_tensor_set.h"
+#include "testing/precision_cases.h"
 #include "testing/tensor_set.h"
 
 namespace {
@@ -30,9 +31,7 @@ using optfuse::testing::TensorSpec;
 const std::vector<TensorSpec> kSpecs = {{1, 0}, {255, 1}, {256, 0}, {1023, 1}, {40000, 0}};
 
 StorageVariant storage(const Plan& plan, DType param, DType states) {
-  StorageVariant v{{param, false}, {param, false}};
-  for (size_t s = 0; s < plan.program.states.size(); ++s) v.push_back({states, false});
-  return v;
+  return optfuse::testing::role_storage(plan, param, param, states);
 }
 
 const char* const kElementWise[] = {"adamw(lr=0.01, weight_decay=0.1)", "sgd(lr=0.05, momentum=0.9, nesterov=true)",
