@@ -7,7 +7,7 @@ parameter every step (the loop users write), GPU time of opt.step() by CUDA even
 steps after --warmup. Each configuration's own byte floor: its bytes actually held per element, each
 read and written once per step (the parameter and every state tensor found in opt.state after the
 first step, 0-dim ones left out) plus the gradient read once, divided by the copy bandwidth
-(bench/training_loop.py's copy_bandwidth). "held B/elem" adds the gradient to what the optimizer
+(bench/training_loop.py's copy_bandwidth; on the CPU optimizers_vs_torch's cpu_copy_bandwidth). "held B/elem" adds the gradient to what the optimizer
 keeps (parameter + states): the memory per parameter the issue counts.
 
   python3 bench/q8_vs_8bit.py [--workloads gpt2-small,llama-1b,wide] [--steps 20] [--warmup 5] [--json out.json]
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload_shapes  # noqa: E402
+from optimizers_vs_torch import cpu_copy_bandwidth  # noqa: E402
 from training_loop import copy_bandwidth  # noqa: E402
 
 import optfuse.torch as oft  # noqa: E402
@@ -58,17 +59,6 @@ CONFIGS = {
     "torchao AdamW8bit": _torchao,
     "bitsandbytes AdamW8bit": _bnb,
 }
-
-
-def cpu_copy_bandwidth(n):
-    """Bytes per second of torch's dst.copy_(src) over 4 n bytes on the CPU (read + write), best of 5."""
-    src, dst = torch.randn(n), torch.empty(n)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return 8 * n / best
 
 
 def state_bytes(opt):
