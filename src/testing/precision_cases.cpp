@@ -81,4 +81,17 @@ std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, con
   return fail.str();
 }
 
+HostTensorSet run_steps(const Chain& c, const Precision& prec, const HostTensorSet& set, Backend b, int steps,
+                        uint64_t seed) {
+  HostTensorSet s = set;
+  Optimizer opt(c, b, 2, prec);
+  opt.set_hyper(1, "lr", opt.hyper(0, "lr") * 0.5);
+  opt.set_tensors(s.refs());
+  for (int k = 0; k < steps; ++k) {
+    s.randomize_grads(seed * 1000 + static_cast<uint64_t>(k));
+    opt.step();
+  }
+  return s;
+}
+
 }  // namespace optfuse::testing

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "codegen/abi.h"
+#include "optfuse/optimizer.h"
 #include "optfuse/plan.h"
 #include "testing/tensor_set.h"
 
@@ -33,5 +34,10 @@ double ulp_tolerance(DType d);
 // states feed them (a state one ulp apart moves the master by lr x 2^-8 of its update).
 std::string compare_to_reference(const Plan& plan, const HostTensorSet& got, const HostTensorSet& want,
                                  double float32_tolerance = 1e-5);
+
+// `steps` steps of the loop users write (new gradients each step, from seed * 1000 + step) on a copy
+// of `set`, on host backend b, with 2 parameter groups (group 1 at half group 0's lr).
+HostTensorSet run_steps(const Chain& c, const Precision& prec, const HostTensorSet& set, Backend b, int steps,
+                        uint64_t seed);
 
 }  // namespace optfuse::testing

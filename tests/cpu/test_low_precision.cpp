@@ -48,15 +48,7 @@ uint32_t float_bits(float f) {
 // Runs `steps` steps (new gradients each step) on a copy of `set`.
 HostTensorSet run(const Chain& c, const Precision& prec, const HostTensorSet& set, Backend b, int steps,
                   uint64_t seed = 7) {
-  HostTensorSet s = set;
-  Optimizer opt(c, b, 2, prec);
-  opt.set_hyper(1, "lr", opt.hyper(0, "lr") * 0.5);
-  opt.set_tensors(s.refs());
-  for (int k = 0; k < steps; ++k) {
-    s.randomize_grads(seed * 1000 + static_cast<uint64_t>(k));
-    opt.step();
-  }
-  return s;
+  return testing::run_steps(c, prec, set, b, steps, seed);
 }
 
 TEST(LowPrecision, CpuMatchesReferenceForEveryOptionAndDtype) {

@@ -97,15 +97,7 @@ TEST(Q8Codec, StorageLayout) {
 StorageVariant storage(const Plan& plan, DType states) { return testing::role_storage(plan, DType::f32, DType::f32, states); }
 
 HostTensorSet run(const Chain& c, const HostTensorSet& set, Backend b, int steps) {
-  HostTensorSet s = set;
-  Optimizer opt(c, b, 2);
-  opt.set_hyper(1, "lr", opt.hyper(0, "lr") * 0.5);
-  opt.set_tensors(s.refs());
-  for (int k = 0; k < steps; ++k) {
-    s.randomize_grads(1000 + static_cast<uint64_t>(k));
-    opt.step();
-  }
-  return s;
+  return testing::run_steps(c, Precision{}, set, b, steps, 1);
 }
 
 bool same_bytes(HostTensorSet& a, HostTensorSet& b) {

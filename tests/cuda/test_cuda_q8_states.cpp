@@ -57,15 +57,7 @@ TEST(CudaQ8Source, Q8KernelsCompileForSm90) {
 }
 
 HostTensorSet run_host(const Chain& c, const HostTensorSet& set, Backend b, int steps) {
-  HostTensorSet s = set;
-  Optimizer opt(c, b, 2);
-  opt.set_hyper(1, "lr", opt.hyper(0, "lr") * 0.5);
-  opt.set_tensors(s.refs());
-  for (int k = 0; k < steps; ++k) {
-    s.randomize_grads(1000 + static_cast<uint64_t>(k));
-    opt.step();
-  }
-  return s;
+  return optfuse::testing::run_steps(c, Precision{}, set, b, steps, 1);
 }
 
 HostTensorSet run_cuda(const Chain& c, const HostTensorSet& set, int steps) {
